@@ -1,0 +1,100 @@
+"""weightpull: versioned model weights from a trainer to inference replicas, by pull.
+
+The trainer publishes a version into a slot it registered once; each replica leases the
+newest version, reads it one-sidedly into its own mirror and keeps it only if the lease
+held throughout. `import weightpull` loads the core alone (anyio and attrs): no torch,
+no transport library, no vLLM.
+"""
+
+from .clock import Clock, FakeClock, MonotonicClock
+from .errors import (
+    DigestMismatchError,
+    DriverUnavailableError,
+    InvalidArgumentError,
+    InvalidTransitionError,
+    LeaseExpiredError,
+    LeaseNotFoundError,
+    NoFreeSlotError,
+    NoReadyVersionError,
+    PeerGoneError,
+    PublishError,
+    PullError,
+    RegionNotRegisteredError,
+    RegistryError,
+    SlotWaitTimeoutError,
+    TornReadError,
+    TransportError,
+    UnknownDriverError,
+    VersionInUseError,
+    VersionNotFoundError,
+    VersionOrderError,
+    VersionStateError,
+    VersionWaitTimeoutError,
+    WeightpullError,
+)
+from .layout import Bucket, Layout, Placement, TensorSpec, plan_layout
+from .manifest import Manifest
+from .publisher import Publisher, PublishResult, WhenFull
+from .puller import Pulled, Puller
+from .registry import InProcessRegistry, Lease, Registry, RegistryStatus
+from .states import LeaseState, SlotState, VersionState
+from .tensors import HostTensor, TensorAdapter
+from .transport import Region, Remote, Transport
+from .transports import create_transport, list_transports, register_transport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "Clock",
+    "DigestMismatchError",
+    "DriverUnavailableError",
+    "FakeClock",
+    "HostTensor",
+    "InProcessRegistry",
+    "InvalidArgumentError",
+    "InvalidTransitionError",
+    "Layout",
+    "Lease",
+    "LeaseExpiredError",
+    "LeaseNotFoundError",
+    "LeaseState",
+    "Manifest",
+    "MonotonicClock",
+    "NoFreeSlotError",
+    "NoReadyVersionError",
+    "PeerGoneError",
+    "Placement",
+    "PublishError",
+    "PublishResult",
+    "Publisher",
+    "PullError",
+    "Pulled",
+    "Puller",
+    "Region",
+    "RegionNotRegisteredError",
+    "Registry",
+    "RegistryError",
+    "RegistryStatus",
+    "Remote",
+    "SlotState",
+    "SlotWaitTimeoutError",
+    "TensorAdapter",
+    "TensorSpec",
+    "TornReadError",
+    "Transport",
+    "TransportError",
+    "UnknownDriverError",
+    "VersionInUseError",
+    "VersionNotFoundError",
+    "VersionOrderError",
+    "VersionState",
+    "VersionStateError",
+    "VersionWaitTimeoutError",
+    "WeightpullError",
+    "WhenFull",
+    "create_transport",
+    "list_transports",
+    "plan_layout",
+    "register_transport",
+]

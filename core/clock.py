@@ -1,0 +1,115 @@
+"""Time, injected: the only way the core reads or waits on time.
+
+`MonotonicClock` is the real one. `FakeClock` moves only when a test advances it (or
+when `autojump` sees every task blocked), so leases, timeouts and renewals are tested
+without sleeping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+import anyio
+import anyio.lowlevel
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic scale; only differences mean anything."""
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` on this clock (a checkpoint when <= 0)."""
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(max(0.0, seconds))
+
+    def __repr__(self) -> str:
+        return "MonotonicClock()"
+
+
+class FakeClock:
+    """A clock that tests move by hand. Sleepers wake in deadline order."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+        self._sleepers: list[tuple[float, int, anyio.Event]] = []
+        self._seq = itertools.count()
+        self._new_sleeper: anyio.Event | None = None
+
+    def now(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await anyio.lowlevel.checkpoint()
+            return
+        event = anyio.Event()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), event))
+        if self._new_sleeper is not None:
+            self._new_sleeper.set()
+        await event.wait()
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward and wake every sleeper now due. Never yields, so a caller
+        can also use it to model a process that froze for `seconds`."""
+        if seconds < 0:
+            raise ValueError(f"a clock cannot go back (advance by {seconds})")
+        self._now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self._now:
+            heapq.heappop(self._sleepers)[2].set()
+
+    def next_deadline(self) -> float | None:
+        while self._sleepers and self._sleepers[0][2].is_set():
+            heapq.heappop(self._sleepers)
+        return self._sleepers[0][0] if self._sleepers else None
+
+    async def autojump(self) -> None:
+        """Run as a background task: whenever every other task is blocked, jump to the
+        next sleeper's deadline (trio's MockClock autojump, on anyio)."""
+        while True:
+            await anyio.wait_all_tasks_blocked()
+            deadline = self.next_deadline()
+            if deadline is None:
+                self._new_sleeper = anyio.Event()
+                await self._new_sleeper.wait()
+                self._new_sleeper = None
+            else:
+                self.advance(max(0.0, deadline - self._now))
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self._now})"
+
+
+async def within(
+    clock: Clock, seconds: float | None, fn: Callable[[], Awaitable[T]]
+) -> tuple[bool, T | None]:
+    """Run `fn()` for at most `seconds` on `clock`: (True, result), or (False, None) when
+    time ran out first. `None` means no limit."""
+    if seconds is None:
+        return True, await fn()
+    done: list[T] = []
+    async with anyio.create_task_group() as tg:
+
+        async def body() -> None:
+            done.append(await fn())
+            tg.cancel_scope.cancel()
+
+        async def timer() -> None:
+            await clock.sleep(seconds)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(body)
+        tg.start_soon(timer)
+    return (True, done[0]) if done else (False, None)

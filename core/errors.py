@@ -1,0 +1,114 @@
+"""Every error weightpull raises, named after the condition it reports.
+
+Catch `WeightpullError` for all of them. Errors about bad arguments also derive from
+`ValueError`, errors about waiting too long from `TimeoutError`.
+"""
+
+from __future__ import annotations
+
+
+class WeightpullError(Exception):
+    """Base of every error raised by weightpull."""
+
+
+class InvalidArgumentError(WeightpullError, ValueError):
+    """An argument was malformed or out of range; the message names it."""
+
+
+class InvalidTransitionError(WeightpullError):
+    """A state machine was asked for an event its current state does not allow."""
+
+    def __init__(self, machine: str, state: object, event: object, subject: str = "") -> None:
+        self.machine, self.state, self.event, self.subject = machine, state, event, subject
+        what = f"{machine} {subject}".strip()
+        super().__init__(f"{what}: event {event!s} is not allowed in state {state!s}")
+
+
+# -- registry ----------------------------------------------------------------------------
+
+
+class RegistryError(WeightpullError):
+    """The registry refused a request."""
+
+
+class VersionOrderError(RegistryError, InvalidArgumentError):
+    """A version number did not exceed every version published before it."""
+
+
+class VersionNotFoundError(RegistryError, LookupError):
+    """No such version (never published, or already reclaimed)."""
+
+
+class NoReadyVersionError(RegistryError, LookupError):
+    """No version is READY yet."""
+
+
+class VersionStateError(RegistryError):
+    """The version exists, but its state does not allow the request (a lease on a
+    RETIRED version, the manifest of one still WRITING...); the message names both."""
+
+
+class VersionInUseError(RegistryError):
+    """The version cannot be reclaimed: leases on it are alive, or it is the newest READY."""
+
+
+class LeaseNotFoundError(RegistryError, LookupError):
+    """The registry knows no such lease (released, expired and swept, or never granted)."""
+
+
+class LeaseExpiredError(RegistryError):
+    """The lease's TTL ran out on the registry's clock before this request."""
+
+
+# -- publish / pull ------------------------------------------------------------------------
+
+
+class PublishError(WeightpullError):
+    """A publish did not complete; the version it started is ABORTED."""
+
+
+class NoFreeSlotError(PublishError):
+    """Every slot holds a version that is leased or is the newest READY."""
+
+
+class SlotWaitTimeoutError(NoFreeSlotError, TimeoutError):
+    """The publisher waited its whole bound for a free slot."""
+
+
+class PullError(WeightpullError):
+    """A pull did not produce a usable copy; nothing was handed on."""
+
+
+class TornReadError(PullError):
+    """The lease lapsed while reading: the copy may mix versions and was rejected."""
+
+
+class DigestMismatchError(PullError):
+    """A bucket's bytes did not match the digest the publisher recorded."""
+
+
+class VersionWaitTimeoutError(WeightpullError, TimeoutError):
+    """No version at least as new as the one asked for arrived in time."""
+
+
+# -- transports --------------------------------------------------------------------------
+
+
+class TransportError(WeightpullError):
+    """A transport failed to move bytes."""
+
+
+class RegionNotRegisteredError(TransportError):
+    """A read touched memory that was never registered (or no longer is)."""
+
+
+class PeerGoneError(TransportError):
+    """The peer that owns the remote memory has exited or closed its transport."""
+
+
+class UnknownDriverError(WeightpullError, LookupError):
+    """No transport driver of that name is built in or installed."""
+
+
+class DriverUnavailableError(WeightpullError, ImportError):
+    """The driver is known but cannot load here; the message names the missing extra."""

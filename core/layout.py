@@ -1,0 +1,218 @@
+"""The layout planner: where each tensor lives in a slot, grouped into buckets.
+
+A layout depends only on the tensors' (name, dtype, shape), the bucket size and the
+alignment, so both sides can plan it and a signature tells when the model changed shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from .errors import InvalidArgumentError
+
+DTYPE_SIZES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_ALIGN = 256  # keeps every tensor aligned for any dtype and for GPU copies
+
+
+def _check_name(_: Any, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"tensor name must be a non-empty string, got {value!r}")
+
+
+def _check_dtype(instance: Any, _: attrs.Attribute, value: str) -> None:
+    if value not in DTYPE_SIZES:
+        raise InvalidArgumentError(
+            f"tensor {instance.name!r}: unsupported dtype {value!r} "
+            f"(supported: {', '.join(DTYPE_SIZES)})"
+        )
+
+
+def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
+    shape = tuple(value)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InvalidArgumentError(f"shape must be non-negative integers, got {shape!r}")
+    return shape
+
+
+@attrs.frozen
+class TensorSpec:
+    """A tensor as published: its name, its dtype after any cast, its shape."""
+
+    name: str = attrs.field(validator=_check_name)
+    dtype: str = attrs.field(validator=_check_dtype)
+    shape: tuple[int, ...] = attrs.field(converter=_to_shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+@attrs.frozen
+class Placement:
+    """Where one tensor's bytes start in the slot, and in which bucket."""
+
+    spec: TensorSpec
+    offset: int
+    bucket: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.spec.nbytes
+
+
+@attrs.frozen
+class Bucket:
+    """A contiguous byte range of the slot, read as one transfer."""
+
+    index: int
+    offset: int
+    nbytes: int
+    names: tuple[str, ...]
+
+
+@attrs.frozen
+class Layout:
+    placements: tuple[Placement, ...]
+    buckets: tuple[Bucket, ...]
+    total_bytes: int
+    bucket_bytes: int
+    align: int
+    signature: str
+    _by_name: Mapping[str, Placement] = attrs.field(eq=False, repr=False)
+
+    def __getitem__(self, name: str) -> Placement:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in this layout") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self.placements)
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return tuple(p.spec for p in self.placements)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.specs],
+            "bucket_bytes": self.bucket_bytes,
+            "align": self.align,
+            "signature": self.signature,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
+        """Re-plan from the specs and check that both sides agree byte for byte."""
+        try:
+            specs = [TensorSpec(n, d, s) for n, d, s in data["tensors"]]
+            layout = plan_layout(specs, bucket_bytes=data["bucket_bytes"], align=data["align"])
+            expected = data["signature"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"malformed layout: {exc}") from exc
+        if layout.signature != expected:
+            raise InvalidArgumentError(
+                f"layout signature mismatch: planned {layout.signature}, sent {expected}"
+            )
+        return layout
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def layout_signature(specs: Iterable[TensorSpec], bucket_bytes: int, align: int) -> str:
+    """Changes whenever any tensor's name, dtype or shape, or the packing, changes."""
+    body = json.dumps(
+        [[s.name, s.dtype, list(s.shape)] for s in specs] + [bucket_bytes, align],
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def plan_layout(
+    specs: Iterable[TensorSpec],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    align: int = DEFAULT_ALIGN,
+) -> Layout:
+    """Pack tensors, in the order given, into buckets of at most `bucket_bytes`; a
+    tensor larger than a bucket gets a bucket of its own. Offsets are `align`-aligned."""
+    specs = list(specs)
+    if not specs:
+        raise InvalidArgumentError("a layout needs at least one tensor")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise InvalidArgumentError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise InvalidArgumentError(f"align must be a power of two, got {align!r}")
+    seen: set[str] = set()
+    for s in specs:
+        if s.name in seen:
+            raise InvalidArgumentError(f"tensor name {s.name!r} appears twice")
+        seen.add(s.name)
+
+    placements: list[Placement] = []
+    buckets: list[Bucket] = []
+    start = cursor = 0  # the open bucket's start, and the next free byte
+    names: list[str] = []
+
+    def close() -> None:
+        nonlocal start, names
+        if names:
+            buckets.append(Bucket(len(buckets), start, cursor - start, tuple(names)))
+        start, names = _round_up(cursor, align), []
+
+    for spec in specs:
+        offset = _round_up(cursor, align)
+        if names and offset + spec.nbytes - start > bucket_bytes:
+            close()
+            offset = start
+        placements.append(Placement(spec, offset, len(buckets)))
+        names.append(spec.name)
+        cursor = offset + spec.nbytes
+        if spec.nbytes >= bucket_bytes:  # a bucket of its own; nothing joins it
+            close()
+    close()
+    total = _round_up(cursor, align)
+    return Layout(
+        placements=tuple(placements),
+        buckets=tuple(buckets),
+        total_bytes=total,
+        bucket_bytes=bucket_bytes,
+        align=align,
+        signature=layout_signature(specs, bucket_bytes, align),
+        by_name={p.spec.name: p for p in placements},
+    )

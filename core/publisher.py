@@ -1,0 +1,217 @@
+"""The publisher: the trainer's side. Copies a version into a free slot, then announces it.
+
+Slots are registered once (re-registered only when the model outgrows them). A slot is
+written only after the registry agrees to reclaim the version it held, which it refuses
+while any lease on that version is alive, so a reader never sees its slot change.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import anyio
+import attrs
+
+from .clock import Clock, MonotonicClock
+from .errors import (
+    InvalidArgumentError,
+    NoFreeSlotError,
+    PublishError,
+    SlotWaitTimeoutError,
+    VersionInUseError,
+    VersionNotFoundError,
+    VersionOrderError,
+    WeightpullError,
+)
+from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, TensorSpec, plan_layout
+from .manifest import Manifest, bucket_digest
+from .registry import Registry
+from .states import SlotEvent, SlotState, transition
+from .tensors import TensorAdapter, adapter_for, normalize_dtype
+from .transport import Region, Transport
+
+log = logging.getLogger(__name__)
+
+
+class WhenFull(enum.Enum):
+    """What `publish` does when every slot holds a leased or newest version."""
+
+    WAIT = "wait"  # poll until a slot frees, at most `wait_timeout`, then SlotWaitTimeoutError
+    SKIP = "skip"  # publish nothing; the next version supersedes this one
+    FAIL = "fail"  # raise NoFreeSlotError at once
+
+
+@attrs.frozen
+class PublishResult:
+    version: int
+    skipped: bool
+    slot: int | None
+    manifest: Manifest | None
+    blocked_s: float  # how long publish() held the caller
+
+
+@attrs.define
+class _Slot:
+    index: int
+    state: SlotState = SlotState.FREE
+    region: Region | None = None
+    descriptor: bytes = b""
+    version: int | None = None  # committed version it holds, or aborted one to reclaim
+
+    def move(self, event: SlotEvent) -> None:
+        self.state = transition("slot", self.state, event, f"{self.index}")
+
+
+class Publisher:
+    def __init__(
+        self,
+        registry: Registry,
+        transport: Transport,
+        *,
+        num_slots: int = 2,
+        rollout_dtype: Any = "bfloat16",
+        when_full: WhenFull | str = WhenFull.WAIT,
+        wait_timeout: float = 60.0,
+        poll_interval: float = 0.05,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        align: int = DEFAULT_ALIGN,
+        digests: bool = False,
+        device: str = "cpu",
+        name: str | None = None,
+        clock: Clock | None = None,
+        adapter: TensorAdapter | None = None,
+    ) -> None:
+        if not isinstance(num_slots, int) or num_slots < 2:
+            raise InvalidArgumentError(
+                f"num_slots must be an int >= 2 (one always holds the newest READY version), got {num_slots!r}"
+            )
+        if wait_timeout < 0 or poll_interval <= 0:
+            raise InvalidArgumentError("wait_timeout must be >= 0 and poll_interval > 0")
+        if digests and device != "cpu":
+            raise InvalidArgumentError("digests are computed on host slots only (device='cpu')")
+        self.registry = registry
+        self.transport = transport
+        self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype)
+        self.when_full = WhenFull(when_full)
+        self.wait_timeout = wait_timeout
+        self.poll_interval = poll_interval
+        self.bucket_bytes = bucket_bytes
+        self.align = align
+        self.digests = digests
+        self.device = device
+        self.name = name or f"publisher-{uuid.uuid4().hex[:8]}"
+        self.clock = clock or MonotonicClock()
+        self.adapter = adapter
+        self.slots = [_Slot(i) for i in range(num_slots)]
+        self.last_version: int | None = None
+        self._layout: Layout | None = None
+
+    async def publish(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> PublishResult:
+        """Copy `tensors` into a free slot as `version` and announce it. Returns once the
+        version is READY, or skipped (policy SKIP). On failure the version ends ABORTED
+        and the previous READY version stays as it was."""
+        started = self.clock.now()
+        if self.last_version is not None and version <= self.last_version:
+            raise VersionOrderError(f"version {version} must exceed the last published, {self.last_version}")
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        if not items:
+            raise InvalidArgumentError("publish needs at least one tensor")
+        adapter = self.adapter or adapter_for(items[0][1])
+        layout = self._plan([adapter.describe(n, v, self.rollout_dtype) for n, v in items])
+
+        slot = await self._take_slot(version)
+        if slot is None:
+            return PublishResult(version, True, None, None, self.clock.now() - started)
+        slot.move(SlotEvent.FILL)
+        try:
+            self._fit(slot, layout.total_bytes)
+            await self.registry.begin(version, publisher=self.name, slot=slot.index)
+        except BaseException:
+            slot.move(SlotEvent.ABORT)
+            raise
+        self.last_version = version
+        try:
+            await adapter.write([(v, layout[n]) for n, v in items], slot.region)
+            await adapter.fence()
+            digests = await self._digests(slot.region, layout) if self.digests else None
+            manifest = Manifest(version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests)
+            await self.registry.commit(manifest)
+        except BaseException as exc:
+            slot.move(SlotEvent.ABORT)
+            slot.version = version  # the ABORTED record must be reclaimed before reuse
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.registry.abort(version, reason=repr(exc))
+                except WeightpullError as abort_exc:
+                    log.warning("could not record v%s as ABORTED: %s", version, abort_exc)
+            if isinstance(exc, Exception) and not isinstance(exc, WeightpullError):
+                raise PublishError(f"publish of v{version} failed: {exc!r}") from exc
+            raise
+        slot.move(SlotEvent.COMMIT)
+        slot.version = version
+        return PublishResult(version, False, slot.index, manifest, self.clock.now() - started)
+
+    def _plan(self, specs: list[TensorSpec]) -> Layout:
+        """Plan once; re-plan only when a tensor's name, dtype or shape changed."""
+        if self._layout is None or self._layout.specs != tuple(specs):
+            self._layout = plan_layout(specs, bucket_bytes=self.bucket_bytes, align=self.align)
+        return self._layout
+
+    def _fit(self, slot: _Slot, nbytes: int) -> None:
+        """Register the slot's memory once; again only if the model outgrew it."""
+        if slot.region is not None and slot.region.nbytes >= nbytes:
+            return
+        if slot.region is not None:
+            self.transport.deregister(slot.region)
+        slot.region = self.transport.allocate(nbytes, self.device)
+        slot.descriptor = self.transport.export(slot.region)
+
+    async def _take_slot(self, version: int) -> _Slot | None:
+        deadline = self.clock.now() + self.wait_timeout
+        while True:
+            busy = []
+            for slot in sorted(self.slots, key=lambda s: (s.version is not None, s.version or 0)):
+                if slot.state is SlotState.WRITING:
+                    busy.append(f"slot {slot.index}: being written")
+                    continue
+                if slot.version is None:
+                    return slot
+                try:
+                    await self.registry.reclaim(slot.version)
+                except VersionInUseError as exc:
+                    busy.append(f"slot {slot.index}: {exc}")
+                    continue
+                except VersionNotFoundError:
+                    pass  # the registry no longer knows it: no lease on it can be valid
+                if slot.state is SlotState.HOLDING:
+                    slot.move(SlotEvent.RECLAIM)
+                slot.version = None
+                return slot
+            detail = "; ".join(busy)
+            if self.when_full is WhenFull.SKIP:
+                log.info("skipping v%s: no free slot (%s)", version, detail)
+                return None
+            if self.when_full is WhenFull.FAIL:
+                raise NoFreeSlotError(f"no free slot for v{version}: {detail}")
+            if self.clock.now() >= deadline:
+                raise SlotWaitTimeoutError(f"no slot freed for v{version} within {self.wait_timeout} s: {detail}")
+            await self.clock.sleep(min(self.poll_interval, max(0.0, deadline - self.clock.now())))
+
+    async def _digests(self, region: Region, layout: Layout) -> tuple[str, ...]:
+        view = region.host_view()
+
+        def digest_all() -> tuple[str, ...]:
+            return tuple(bucket_digest(view[b.offset : b.offset + b.nbytes]) for b in layout.buckets)
+
+        return await anyio.to_thread.run_sync(digest_all)
+
+    async def aclose(self) -> None:
+        """Deregister every slot. Versions already announced stop being readable."""
+        for slot in self.slots:
+            if slot.region is not None:
+                self.transport.deregister(slot.region)
+                slot.region = None

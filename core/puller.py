@@ -1,0 +1,229 @@
+"""The puller: a replica's side. Leases a version, reads every bucket into a local
+registered mirror, and hands the copy on only if the lease held throughout.
+
+Why the final lease check is enough: a publisher rewrites a slot only after the registry
+reclaims its version, and the registry refuses while any lease on it is alive. A lease,
+once lapsed, never becomes valid again. So a lease still valid after the last byte
+landed proves no write touched the slot during the read; a lapsed one means the copy
+may be torn, and it is rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+
+import anyio
+import attrs
+
+from .clock import Clock, MonotonicClock
+from .errors import (
+    DigestMismatchError,
+    InvalidArgumentError,
+    InvalidTransitionError,
+    LeaseExpiredError,
+    LeaseNotFoundError,
+    TornReadError,
+    WeightpullError,
+)
+from .layout import Layout
+from .manifest import Manifest, bucket_digest
+from .registry import Lease, Registry
+from .transport import Region, Remote, Transport
+
+log = logging.getLogger(__name__)
+
+_LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
+_MAX_REMOTES = 16
+
+
+@attrs.frozen
+class Pulled:
+    """A complete, verified copy of one version, in the puller's mirror. It stays valid
+    until the next `pull` into the same mirror starts."""
+
+    version: int
+    manifest: Manifest
+    region: Region
+    seconds: float
+    renewals: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.nbytes
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    def view(self, name: str) -> memoryview:
+        """The bytes of tensor `name` in a host mirror."""
+        p = self.manifest.layout[name]
+        return self.region.host_view()[p.offset : p.end]
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first real failure inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc
+
+
+class Puller:
+    def __init__(
+        self,
+        registry: Registry,
+        transport: Transport,
+        *,
+        holder: str | None = None,
+        ttl: float = 10.0,
+        renew_every: float | None = None,
+        device: str = "cpu",
+        verify_digests: bool = True,
+        clock: Clock | None = None,
+    ) -> None:
+        if ttl <= 0:
+            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+        self.registry = registry
+        self.transport = transport
+        self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
+        self.ttl = ttl
+        self.renew_every = renew_every or ttl / 3
+        self.device = device
+        self.verify_digests = verify_digests
+        self.clock = clock or MonotonicClock()
+        self.mirror: Region | None = None
+        self.mirror_version: int | None = None  # what the mirror holds, verified
+        self.layout_signature: str | None = None
+        self.layout_changes = 0
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._remotes: OrderedDict[bytes, Remote] = OrderedDict()
+
+    async def pull(self, version: int | None = None) -> Pulled:
+        """Copy the newest READY version (or `version`, if READY) into the mirror.
+
+        Raises `TornReadError` if the lease lapsed during the read, `DigestMismatchError`
+        if the publisher recorded digests and a bucket disagrees, or the transport's error
+        after cancelling the other reads. The lease is released on every path."""
+        started = self.clock.now()
+        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        try:
+            manifest = await self._manifest(lease.version)
+            if manifest.transport != self.transport.name:
+                raise InvalidArgumentError(
+                    f"v{manifest.version} was published over {manifest.transport!r}; "
+                    f"this puller reads over {self.transport.name!r}"
+                )
+            mirror = self._mirror_for(manifest.layout)
+            remote = self._remote(manifest.source)
+            self.mirror_version = None  # overwritten from here on
+            lease, renewals = await self._read_all(lease, manifest, remote, mirror)
+            if manifest.digests is not None and self.verify_digests:
+                await self._verify(manifest, mirror)
+            self.mirror_version = manifest.version
+            return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.registry.release(lease)
+                except WeightpullError as exc:  # the lease ends by TTL anyway
+                    log.warning("%s: could not release lease %s: %s", self.holder, lease.id, exc)
+
+    async def _read_all(self, lease: Lease, manifest: Manifest, remote: Remote, mirror: Region) -> tuple[Lease, int]:
+        """Read every bucket concurrently while renewing the lease; check it after."""
+        renewals = 0
+        lost: list[BaseException] = []
+        buckets = manifest.layout.buckets
+        pending = len(buckets)
+
+        async def renew_loop() -> None:
+            nonlocal lease, renewals
+            while True:
+                await self.clock.sleep(self.renew_every)
+                try:
+                    lease = await self.registry.renew(lease)
+                    renewals += 1
+                except _LEASE_LOST as exc:
+                    lost.append(exc)
+                    tg.cancel_scope.cancel()
+                    return
+                except WeightpullError as exc:  # transient: the final check decides
+                    log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
+
+        async def read(offset: int, nbytes: int) -> None:
+            nonlocal pending
+            await self.transport.read(remote, offset, mirror, offset, nbytes)
+            pending -= 1
+            if pending == 0:
+                tg.cancel_scope.cancel()  # every byte landed: stop renewing
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(renew_loop)
+                for b in buckets:
+                    tg.start_soon(read, b.offset, b.nbytes)
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        if lost or not await self.registry.is_valid(lease):
+            raise TornReadError(
+                f"{self.holder}: the lease on v{manifest.version} lapsed during the read; "
+                "the copy may mix versions and was rejected"
+            ) from (lost[0] if lost else None)
+        return lease, renewals
+
+    async def _verify(self, manifest: Manifest, mirror: Region) -> None:
+        view = mirror.host_view()
+
+        def check() -> int | None:
+            for b, want in zip(manifest.layout.buckets, manifest.digests or ()):
+                if bucket_digest(view[b.offset : b.offset + b.nbytes]) != want:
+                    return b.index
+            return None
+
+        bad = await anyio.to_thread.run_sync(check)
+        if bad is not None:
+            raise DigestMismatchError(f"v{manifest.version}: bucket {bad} does not match its digest")
+
+    async def _manifest(self, version: int) -> Manifest:
+        """Manifests never change once READY: fetch each version's once."""
+        if version not in self._manifests:
+            self._manifests[version] = await self.registry.get(version)
+            while len(self._manifests) > 4:
+                self._manifests.popitem(last=False)
+        return self._manifests[version]
+
+    def _mirror_for(self, layout: Layout) -> Region:
+        """The registered mirror. A new layout signature means the model changed shape;
+        the mirror is re-registered only if the new layout needs more room."""
+        if layout.signature != self.layout_signature:
+            if self.layout_signature is not None:
+                self.layout_changes += 1
+                log.info("%s: layout changed to %s", self.holder, layout.signature[:8])
+            self.layout_signature = layout.signature
+        if self.mirror is not None and self.mirror.nbytes >= layout.total_bytes:
+            return self.mirror
+        if self.mirror is not None:
+            self.transport.deregister(self.mirror)
+        self.mirror = self.transport.allocate(layout.total_bytes, self.device)
+        return self.mirror
+
+    def _remote(self, descriptor: bytes) -> Remote:
+        """Connect once per slot descriptor, not once per pull."""
+        remote = self._remotes.get(descriptor)
+        if remote is None:
+            remote = self._remotes[descriptor] = self.transport.connect(descriptor)
+            if len(self._remotes) > _MAX_REMOTES:
+                self.transport.disconnect(self._remotes.popitem(last=False)[1])
+        self._remotes.move_to_end(descriptor)
+        return remote
+
+    async def aclose(self) -> None:
+        for remote in self._remotes.values():
+            self.transport.disconnect(remote)
+        self._remotes.clear()
+        if self.mirror is not None:
+            self.transport.deregister(self.mirror)
+            self.mirror = None
+            self.mirror_version = None

@@ -1,0 +1,353 @@
+"""The registry: the directory of published versions and the leases readers hold on them.
+
+`InProcessRegistry` is the embedded default. It is sans-IO apart from waiting: every
+decision is a synchronous step over the transition tables in `states.py`, and leases
+are judged on the registry's own injected clock. A served registry implements the same
+`Registry` protocol.
+
+Retired versions take no new leases. Leases granted before a version retired stay
+valid and renewable until released or expired, so reads in flight finish; refusing new
+ones is what lets a retired slot drain and be reclaimed while readers keep polling.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import anyio
+import attrs
+
+from .clock import Clock, MonotonicClock, within
+from .errors import (
+    InvalidArgumentError,
+    LeaseExpiredError,
+    LeaseNotFoundError,
+    NoReadyVersionError,
+    VersionInUseError,
+    VersionNotFoundError,
+    VersionOrderError,
+    VersionStateError,
+    VersionWaitTimeoutError,
+)
+from .manifest import Manifest
+from .states import LeaseEvent, LeaseState, VersionEvent, VersionState, transition
+
+DEFAULT_MAX_TTL = 600.0
+_MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
+
+
+@attrs.frozen
+class Lease:
+    """A reader's claim on one version, valid until `expires_at` on the registry's clock."""
+
+    id: str
+    version: int
+    holder: str
+    ttl: float
+    expires_at: float
+
+
+@attrs.frozen
+class VersionInfo:
+    version: int
+    state: VersionState
+    publisher: str
+    slot: int
+    nbytes: int | None
+    age: float
+    live_leases: int
+    reason: str = ""
+
+
+@attrs.frozen
+class LeaseInfo:
+    id: str
+    version: int
+    holder: str
+    expires_in: float
+
+
+@attrs.frozen
+class RegistryStatus:
+    newest_ready: int | None
+    versions: tuple[VersionInfo, ...]
+    leases: tuple[LeaseInfo, ...]
+    serving: Mapping[str, int]
+
+
+@runtime_checkable
+class Registry(Protocol):
+    """What publishers and pullers need from a registry, embedded or served."""
+
+    async def begin(self, version: int, *, publisher: str, slot: int) -> None: ...
+    async def commit(self, manifest: Manifest) -> None: ...
+    async def abort(self, version: int, reason: str = "") -> None: ...
+    async def newest(self) -> Manifest | None: ...
+    async def get(self, version: int) -> Manifest: ...
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease: ...
+    async def renew(self, lease: Lease) -> Lease: ...
+    async def release(self, lease: Lease) -> None: ...
+    async def is_valid(self, lease: Lease) -> bool: ...
+    async def retire(self, version: int) -> None: ...
+    async def reclaim(self, version: int) -> None: ...
+    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest: ...
+    async def report_serving(self, replica: str, version: int) -> None: ...
+    async def status(self) -> RegistryStatus: ...
+
+
+@attrs.define
+class _Lease:
+    id: str
+    version: int
+    holder: str
+    ttl: float
+    expires_at: float
+    state: LeaseState = LeaseState.ACTIVE
+
+    def public(self) -> Lease:
+        return Lease(self.id, self.version, self.holder, self.ttl, self.expires_at)
+
+
+@attrs.define
+class _Version:
+    version: int
+    publisher: str
+    slot: int
+    created_at: float
+    state: VersionState = VersionState.WRITING
+    manifest: Manifest | None = None
+    reason: str = ""
+    leases: dict[str, _Lease] = attrs.Factory(dict)
+
+
+def _check_int(what: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _check_name(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+class InProcessRegistry:
+    """The registry inside one process: the default, and the state a served one wraps."""
+
+    def __init__(self, clock: Clock | None = None, *, max_ttl: float = DEFAULT_MAX_TTL) -> None:
+        self.clock: Clock = clock or MonotonicClock()
+        self.max_ttl = max_ttl
+        self._versions: dict[int, _Version] = {}
+        self._lease_index: dict[str, int] = {}  # lease id -> version
+        self._highest_begun = -1
+        self._newest_ready: int | None = None
+        self._serving: dict[str, int] = {}
+        self._lease_ids = itertools.count(1)
+        self._committed: anyio.Event | None = None  # made lazily: needs a running loop
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def begin(self, version: int, *, publisher: str, slot: int) -> None:
+        """Record `version` as WRITING into `slot`. Versions strictly increase, and a slot
+        is only begun once the version it held was reclaimed."""
+        _check_int("version", version)
+        _check_name("publisher", publisher)
+        _check_int("slot", slot)
+        if version <= self._highest_begun:
+            raise VersionOrderError(
+                f"version {version} must exceed every version begun before "
+                f"(highest so far: {self._highest_begun})"
+            )
+        for v in self._versions.values():
+            if v.publisher == publisher and v.slot == slot:
+                raise VersionInUseError(
+                    f"slot {slot} of {publisher!r} still holds version {v.version} "
+                    f"({v.state}); reclaim it before writing the slot again"
+                )
+        self._highest_begun = version
+        self._versions[version] = _Version(version, publisher, slot, self.clock.now())
+
+    async def commit(self, manifest: Manifest) -> None:
+        """WRITING -> READY; the previous newest READY version retires."""
+        record = self._record(manifest.version)
+        if manifest.publisher != record.publisher or manifest.slot != record.slot:
+            raise InvalidArgumentError(
+                f"manifest for v{manifest.version} names publisher {manifest.publisher!r} "
+                f"slot {manifest.slot}; it was begun by {record.publisher!r} slot {record.slot}"
+            )
+        if self._newest_ready is not None and manifest.version < self._newest_ready:
+            raise VersionOrderError(
+                f"version {manifest.version} cannot be announced after {self._newest_ready}"
+            )
+        self._move(record, VersionEvent.COMMIT)
+        record.manifest = manifest
+        previous, self._newest_ready = self._newest_ready, manifest.version
+        if previous is not None and self._versions[previous].state is VersionState.READY:
+            self._move(self._versions[previous], VersionEvent.RETIRE)
+        if self._committed is not None:
+            self._committed.set()
+            self._committed = None
+
+    async def abort(self, version: int, reason: str = "") -> None:
+        record = self._record(version)
+        self._move(record, VersionEvent.ABORT)
+        record.reason = reason
+
+    async def retire(self, version: int) -> None:
+        """Withdraw a READY version: no new leases; those held stay valid."""
+        record = self._record(version)
+        self._move(record, VersionEvent.RETIRE)
+        if self._newest_ready == version:
+            self._newest_ready = None
+
+    async def reclaim(self, version: int) -> None:
+        """Give a RETIRED or ABORTED version's slot back to its publisher. Refused while
+        any lease on it is alive; the newest READY version is never reclaimable."""
+        record = self._record(version)
+        live = self._live_leases(record)
+        if live:
+            holders = ", ".join(sorted({lease.holder for lease in live}))
+            raise VersionInUseError(f"version {version} is leased by {holders}")
+        if record.state is VersionState.READY:
+            raise VersionInUseError(f"version {version} is READY; retire it first")
+        self._move(record, VersionEvent.RECLAIM)
+        for lease_id in record.leases:
+            self._lease_index.pop(lease_id, None)
+        del self._versions[version]
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def newest(self) -> Manifest | None:
+        if self._newest_ready is None:
+            return None
+        return self._versions[self._newest_ready].manifest
+
+    async def get(self, version: int) -> Manifest:
+        record = self._record(version)
+        if record.manifest is None:
+            raise VersionStateError(f"version {version} is {record.state}: it has no manifest")
+        return record.manifest
+
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
+        """Lease the newest READY version, or `version` if it is READY."""
+        _check_name("holder", holder)
+        if not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl:
+            raise InvalidArgumentError(f"ttl must be in (0, {self.max_ttl}] seconds, got {ttl!r}")
+        if version is None:
+            if self._newest_ready is None:
+                raise NoReadyVersionError("no version is READY yet")
+            version = self._newest_ready
+        record = self._record(version)
+        if record.state is not VersionState.READY:
+            raise VersionStateError(
+                f"version {version} is {record.state} and takes no new leases "
+                f"(newest READY: {self._newest_ready})"
+            )
+        lease = _Lease(str(next(self._lease_ids)), version, holder, float(ttl), self.clock.now() + ttl)
+        self._prune(record)
+        record.leases[lease.id] = lease
+        self._lease_index[lease.id] = version
+        return lease.public()
+
+    async def renew(self, lease: Lease) -> Lease:
+        record = self._lease(lease)
+        if record is None:
+            raise LeaseNotFoundError(f"lease {lease.id} on v{lease.version} is unknown")
+        if self._expired(record):
+            raise LeaseExpiredError(
+                f"lease {lease.id} of {record.holder!r} on v{record.version} expired"
+            )
+        record.state = transition("lease", record.state, LeaseEvent.RENEW, f"{lease.id}")
+        record.expires_at = self.clock.now() + record.ttl
+        return record.public()
+
+    async def release(self, lease: Lease) -> None:
+        """End a lease. Idempotent: releasing an ended or forgotten lease does nothing."""
+        record = self._lease(lease)
+        if record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE:
+            record.state = transition("lease", record.state, LeaseEvent.RELEASE, f"{lease.id}")
+
+    async def is_valid(self, lease: Lease) -> bool:
+        record = self._lease(lease)
+        return record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE
+
+    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
+        """The newest READY manifest once its version is at least `min_version`."""
+        _check_int("min_version", min_version)
+        deadline = None if timeout is None else self.clock.now() + timeout
+        while self._newest_ready is None or self._newest_ready < min_version:
+            if self._committed is None:
+                self._committed = anyio.Event()
+            remaining = None if deadline is None else deadline - self.clock.now()
+            if remaining is not None and remaining <= 0:
+                raise VersionWaitTimeoutError(
+                    f"no version >= {min_version} within {timeout} s "
+                    f"(newest READY: {self._newest_ready})"
+                )
+            await within(self.clock, remaining, self._committed.wait)
+        manifest = await self.newest()
+        assert manifest is not None
+        return manifest
+
+    # -- replicas and status -------------------------------------------------------------
+
+    async def report_serving(self, replica: str, version: int) -> None:
+        self._serving[_check_name("replica", replica)] = _check_int("version", version)
+
+    async def status(self) -> RegistryStatus:
+        now = self.clock.now()
+        versions, leases = [], []
+        for record in sorted(self._versions.values(), key=lambda r: r.version):
+            live = self._live_leases(record)
+            versions.append(
+                VersionInfo(
+                    version=record.version,
+                    state=record.state,
+                    publisher=record.publisher,
+                    slot=record.slot,
+                    nbytes=record.manifest.nbytes if record.manifest else None,
+                    age=now - record.created_at,
+                    live_leases=len(live),
+                    reason=record.reason,
+                )
+            )
+            leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
+        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), dict(self._serving))
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _record(self, version: int) -> _Version:
+        _check_int("version", version)
+        try:
+            return self._versions[version]
+        except KeyError:
+            raise VersionNotFoundError(
+                f"version {version} is unknown (never begun, or reclaimed)"
+            ) from None
+
+    def _move(self, record: _Version, event: VersionEvent) -> None:
+        record.state = transition("version", record.state, event, f"v{record.version}")
+
+    def _lease(self, lease: Lease) -> _Lease | None:
+        version = self._lease_index.get(lease.id)
+        if version is None or version != lease.version:
+            return None
+        return self._versions[version].leases.get(lease.id)
+
+    def _expired(self, lease: _Lease) -> bool:
+        """Judge the lease on the registry's clock, recording expiry when it is seen."""
+        if lease.state is LeaseState.ACTIVE and self.clock.now() >= lease.expires_at:
+            lease.state = transition("lease", lease.state, LeaseEvent.EXPIRE, lease.id)
+        return lease.state is LeaseState.EXPIRED
+
+    def _live_leases(self, record: _Version) -> list[_Lease]:
+        return [x for x in record.leases.values() if not self._expired(x) and x.state is LeaseState.ACTIVE]
+
+    def _prune(self, record: _Version) -> None:
+        ended = [i for i, x in record.leases.items() if x.state is not LeaseState.ACTIVE or self._expired(x)]
+        for lease_id in ended[: max(0, len(ended) - _MAX_ENDED_LEASES)]:
+            del record.leases[lease_id]
+            del self._lease_index[lease_id]

@@ -1,0 +1,94 @@
+"""Tensor adapters: how the publisher describes tensors and copies them into a slot.
+
+The core never touches a framework. It asks an adapter for each tensor's published
+spec (its dtype after the `rollout_dtype` cast), has it copy the tensors into the
+slot, then fences. `HostTensor` is the framework-free form; torch tensors go through
+`weightpull.integrations.torch_tensors`, imported only when a torch tensor shows up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import anyio.lowlevel
+import attrs
+
+from .errors import InvalidArgumentError
+from .layout import DTYPE_SIZES, Placement, TensorSpec
+from .transport import Region
+
+
+def normalize_dtype(dtype: object) -> str:
+    """'bfloat16', torch.bfloat16 and 'torch.bfloat16' all name the same dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise InvalidArgumentError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPE_SIZES)})")
+    return name
+
+
+def cast_target(dtype: str, rollout_dtype: str | None) -> str:
+    """The published dtype: fp32 becomes `rollout_dtype`; everything else is kept."""
+    return rollout_dtype if rollout_dtype is not None and dtype == "float32" else dtype
+
+
+class TensorAdapter(Protocol):
+    def describe(self, name: str, value: Any, rollout_dtype: str | None) -> TensorSpec:
+        """The spec `value` is published as."""
+
+    async def write(self, items: Sequence[tuple[Any, Placement]], region: Region) -> None:
+        """Copy each value, cast to its placement's dtype, into `region`. Device->host
+        copies may still be in flight when this returns."""
+
+    async def fence(self) -> None:
+        """Return once every copy `write` issued has landed."""
+
+
+@attrs.frozen
+class HostTensor:
+    """A tensor as plain host bytes: no framework needed."""
+
+    dtype: str = attrs.field(converter=normalize_dtype)
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    data: bytes | bytearray | memoryview = attrs.field(repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        spec = TensorSpec("_", self.dtype, self.shape)
+        if memoryview(self.data).nbytes != spec.nbytes:
+            raise InvalidArgumentError(
+                f"HostTensor of {self.dtype}{list(self.shape)} needs {spec.nbytes} bytes, "
+                f"got {memoryview(self.data).nbytes}"
+            )
+
+
+class HostTensorAdapter:
+    def describe(self, name: str, value: HostTensor, rollout_dtype: str | None) -> TensorSpec:
+        if cast_target(value.dtype, rollout_dtype) != value.dtype:
+            raise InvalidArgumentError(
+                f"tensor {name!r}: casting float32 to {rollout_dtype} needs torch; publish "
+                "torch tensors, or pass rollout_dtype=None"
+            )
+        return TensorSpec(name, value.dtype, value.shape)
+
+    async def write(self, items: Sequence[tuple[HostTensor, Placement]], region: Region) -> None:
+        view = region.host_view()
+        for value, placement in items:
+            view[placement.offset : placement.end] = memoryview(value.data).cast("B")
+            await anyio.lowlevel.checkpoint()
+
+    async def fence(self) -> None:
+        pass
+
+
+def adapter_for(value: Any) -> TensorAdapter:
+    """The adapter for a tensor of this kind, importing its integration lazily."""
+    if isinstance(value, HostTensor):
+        return HostTensorAdapter()
+    if type(value).__module__.split(".")[0] == "torch":
+        module = importlib.import_module("weightpull.integrations.torch_tensors")
+        return module.TorchAdapter()
+    raise InvalidArgumentError(
+        f"cannot publish a {type(value).__module__}.{type(value).__name__}: pass torch "
+        "tensors or weightpull.HostTensor"
+    )

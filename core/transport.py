@@ -1,0 +1,104 @@
+"""The Transport ABC: move bytes one-sidedly between registered regions.
+
+A driver registers memory, exports a descriptor for it, connects to a peer's descriptor
+and reads from it. Nothing else: leases, layouts and retries live above, in the core.
+Drivers translate their library's failures into `TransportError` subclasses.
+"""
+
+from __future__ import annotations
+
+import mmap
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import attrs
+
+from .errors import InvalidArgumentError, RegionNotRegisteredError
+
+
+@attrs.define(eq=False)
+class Region:
+    """Memory registered with a transport. `view` is set for host memory; `memory`
+    keeps the owning object (a bytearray, a pinned or device tensor...) alive."""
+
+    nbytes: int
+    device: str
+    memory: Any
+    view: memoryview | None = None
+    handle: Any = None  # the driver's own registration
+
+    def host_view(self) -> memoryview:
+        if self.view is None:
+            raise InvalidArgumentError(f"region on {self.device} has no host view")
+        return self.view
+
+
+@attrs.define(eq=False)
+class Remote:
+    """A peer's region, as `connect` imported it from a descriptor."""
+
+    nbytes: int
+    descriptor: bytes
+    handle: Any = None
+
+
+class Transport(ABC):
+    """One endpoint of a transport. Async reads; everything else is quick and sync."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this driver cannot run here (no GPU, too old a library...), or None."""
+        return None
+
+    def allocate(self, nbytes: int, device: str = "cpu") -> Region:
+        """Allocate and register `nbytes`. Drivers override this for pinned or device
+        memory; the default is anonymous host memory, which the OS zeroes lazily, so a
+        large slot costs nothing until it is written (no stall of the event loop)."""
+        if device != "cpu":
+            raise InvalidArgumentError(f"{self.name} transport cannot allocate on {device!r}")
+        return self.register(mmap.mmap(-1, nbytes) if nbytes else bytearray())
+
+    @abstractmethod
+    def register(self, memory: Any, device: str = "cpu") -> Region:
+        """Register memory the caller owns (any contiguous writable buffer on the host)."""
+
+    @abstractmethod
+    def deregister(self, region: Region) -> None:
+        """Undo `register`; peers reading it get `RegionNotRegisteredError`."""
+
+    @abstractmethod
+    def export(self, region: Region) -> bytes:
+        """A descriptor a peer in any process can `connect` to."""
+
+    @abstractmethod
+    def connect(self, descriptor: bytes) -> Remote:
+        """Import a peer's descriptor. Cheap to repeat; drivers may cache."""
+
+    def disconnect(self, remote: Remote) -> None:  # noqa: B027 - optional hook
+        """Forget a peer region; drivers with per-peer state override this."""
+
+    @abstractmethod
+    async def read(
+        self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int
+    ) -> None:
+        """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release every registration and connection."""
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def check_span(what: str, offset: int, nbytes: int, size: int) -> None:
+    """Raise unless [offset, offset + nbytes) lies inside a region of `size` bytes."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise RegionNotRegisteredError(
+            f"{what} range [{offset}, {offset + nbytes}) lies outside the registered "
+            f"{size} bytes"
+        )

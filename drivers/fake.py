@@ -1,0 +1,209 @@
+"""The `fake` driver: in-process memory, with fault knobs.
+
+Every `FakeTransport` of a process attaches to a shared `FakeFabric`, so a publisher and
+its pullers in one process read each other's regions as real peers would. The knobs in
+`FakeFaults` inject what real transports do: latency, a slow reader, failed reads, and a
+torn read, where the reader freezes past any lease while the publisher's next write
+lands in the middle of the copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import time
+import uuid
+import weakref
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import attrs
+
+from weightpull.clock import Clock, FakeClock, MonotonicClock
+from weightpull.errors import (
+    InvalidArgumentError,
+    PeerGoneError,
+    RegionNotRegisteredError,
+    TransportError,
+)
+from weightpull.transport import Region, Remote, Transport, check_span
+
+_CHUNK = 16 << 20  # copy in chunks, yielding between them, so reads stay cancellable
+_fabrics: weakref.WeakValueDictionary[str, FakeFabric] = weakref.WeakValueDictionary()
+
+
+def _memmove(dst: memoryview, src: memoryview) -> None:
+    """memcpy without the GIL, as a NIC's DMA would copy: the event loop keeps running."""
+    n = len(src)
+    ctypes.memmove((ctypes.c_char * n).from_buffer(dst), (ctypes.c_char * n).from_buffer(src), n)
+
+
+class FakeFabric:
+    """The shared memory space of a set of fake transports (one per process by default)."""
+
+    _default: FakeFabric | None = None
+
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.regions: dict[int, Region] = {}
+        self.owners: dict[int, str] = {}  # region id -> owning transport id
+        self.closed: set[str] = set()  # transports that have closed ("exited")
+        self._ids = itertools.count(1)
+        _fabrics[self.id] = self
+
+    @classmethod
+    def default(cls) -> FakeFabric:
+        if cls._default is None:
+            cls._default = cls()
+        return cls._default
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+
+@attrs.define
+class FakeFaults:
+    """Faults a test or the demo turns on, live. Counters count down as they fire."""
+
+    delay: float = 0.0  # seconds added to every read, on the transport's clock
+    bandwidth: float | None = None  # bytes per second over all of a reader's reads
+    fail_reads: int = 0  # the next N reads fail halfway with TransportError
+    tear_reads: int = 0  # the next N reads are torn (see `freeze`)
+    freeze: float = 0.0  # at a torn read, the reader stalls this long mid-copy
+    reads: int = 0  # reads started, for tests and the demo's report
+
+
+class FakeTransport(Transport):
+    name = "fake"
+
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        faults: FakeFaults | None = None,
+        fabric: FakeFabric | None = None,
+        offload: bool | None = None,
+    ) -> None:
+        """`offload` copies in worker threads, off the event loop (the default on a real
+        clock); under a `FakeClock` copies run inline and take no time, so tests replay."""
+        self.clock = clock or MonotonicClock()
+        self.offload = not isinstance(self.clock, FakeClock) if offload is None else offload
+        self.faults = faults or FakeFaults()
+        self.fabric = fabric or FakeFabric.default()
+        self.id = uuid.uuid4().hex
+        self._mine: dict[int, Region] = {}
+        self._closed = False
+        self._link_free_at = 0.0
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register(self, memory: Any, device: str = "cpu") -> Region:
+        self._check_open()
+        if device != "cpu":
+            raise InvalidArgumentError(f"fake transport holds host memory only, not {device!r}")
+        try:
+            view = memoryview(memory).cast("B")
+        except TypeError as exc:
+            raise InvalidArgumentError(f"fake transport cannot register {type(memory).__name__}: {exc}") from exc
+        if view.readonly:
+            raise InvalidArgumentError("fake transport needs writable memory")
+        region = Region(nbytes=view.nbytes, device="cpu", memory=memory, view=view, handle=self.fabric.new_id())
+        self.fabric.regions[region.handle] = region
+        self.fabric.owners[region.handle] = self.id
+        self._mine[region.handle] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        if self._mine.pop(region.handle, None) is not None:
+            self.fabric.regions.pop(region.handle, None)
+            self.fabric.owners.pop(region.handle, None)
+
+    def export(self, region: Region) -> bytes:
+        if region.handle not in self._mine:
+            raise RegionNotRegisteredError("cannot export a region this transport did not register")
+        return json.dumps(
+            {"fabric": self.fabric.id, "owner": self.id, "region": region.handle, "nbytes": region.nbytes}
+        ).encode()
+
+    def connect(self, descriptor: bytes) -> Remote:
+        try:
+            d = json.loads(descriptor)
+            fabric = _fabrics.get(d["fabric"])
+            remote = Remote(int(d["nbytes"]), descriptor, handle=(fabric, d["owner"], int(d["region"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"not a fake-transport descriptor: {descriptor[:80]!r}") from exc
+        if fabric is None:
+            raise PeerGoneError("that descriptor's fabric is gone (its process exited)")
+        return remote
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
+        self._check_open()
+        fabric, owner, region_id = remote.handle
+        if owner in fabric.closed:
+            raise PeerGoneError(f"peer {owner[:8]} has exited")
+        source = fabric.regions.get(region_id)
+        if source is None:
+            raise RegionNotRegisteredError(f"remote region {region_id} is not registered")
+        if self._mine.get(local.handle) is not local:
+            raise RegionNotRegisteredError("the local region is not registered with this transport")
+        check_span("remote", remote_offset, nbytes, source.nbytes)
+        check_span("local", local_offset, nbytes, local.nbytes)
+
+        faults = self.faults
+        faults.reads += 1
+        if faults.delay:
+            await self.clock.sleep(faults.delay)
+        src = source.host_view()[remote_offset : remote_offset + nbytes]
+        dst = local.host_view()[local_offset : local_offset + nbytes]
+        half = nbytes // 2
+        if faults.fail_reads > 0:
+            faults.fail_reads -= 1
+            await self._copy(src[:half], dst[:half])
+            raise TransportError(f"injected failure after {half} of {nbytes} bytes")
+        if faults.tear_reads > 0:
+            faults.tear_reads -= 1
+            await self._copy(src[:half], dst[:half])
+            self._freeze(faults.freeze)
+            await self._copy(src[half:], dst[half:])
+            # The publisher's next write landed while we stood still: the rest differs.
+            torn = dst[half : half + 64]
+            torn[:] = bytes(b ^ 0xFF for b in torn)
+            return
+        await self._copy(src, dst)
+
+    async def _copy(self, src: memoryview, dst: memoryview) -> None:
+        for start in range(0, len(src), _CHUNK):
+            n = min(_CHUNK, len(src) - start)
+            if self.offload:
+                await anyio.to_thread.run_sync(_memmove, dst[start : start + n], src[start : start + n])
+            else:
+                dst[start : start + n] = src[start : start + n]
+            if self.faults.bandwidth:  # one link per transport: concurrent reads share it
+                now = self.clock.now()
+                self._link_free_at = max(now, self._link_free_at) + n / self.faults.bandwidth
+                await self.clock.sleep(self._link_free_at - now)
+            elif not self.offload:
+                await anyio.lowlevel.checkpoint()
+
+    def _freeze(self, seconds: float) -> None:
+        """Stand still without yielding, as a stopped process does: no renewal runs."""
+        if isinstance(self.clock, FakeClock):
+            self.clock.advance(seconds)
+        else:
+            time.sleep(seconds)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("this fake transport is closed")
+
+    async def aclose(self) -> None:
+        for region in list(self._mine.values()):
+            self.deregister(region)
+        self.fabric.closed.add(self.id)
+        self._closed = True

@@ -1,0 +1,72 @@
+"""The torch side of the publisher and the puller: cast-and-copy into a slot, and views
+of a mirror as tensors. The only module of the core's path that imports torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from weightpull.layout import Layout, Placement, TensorSpec
+from weightpull.tensors import cast_target, normalize_dtype
+from weightpull.transport import Region
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def tensor_at(region: Region, placement: Placement) -> torch.Tensor:
+    """A typed view of `placement`'s bytes inside `region` (host or device), no copy."""
+    spec = placement.spec
+    dtype = torch_dtype(spec.dtype)
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dtype, device=region.device)
+    if region.view is not None:
+        raw = torch.frombuffer(region.view, dtype=torch.uint8, count=spec.nbytes, offset=placement.offset)
+    else:
+        raw = region.memory[placement.offset : placement.end]
+    return raw.view(dtype).view(spec.shape)
+
+
+def as_tensors(layout: Layout, region: Region) -> dict[str, torch.Tensor]:
+    """Every tensor of a pulled mirror, by name, as views into it."""
+    return {p.spec.name: tensor_at(region, p) for p in layout.placements}
+
+
+class TorchAdapter:
+    """Copies torch tensors (CPU or CUDA) into a slot, casting fp32 to the rollout dtype.
+    Host copies run in a worker thread (torch releases the GIL); device->host copies
+    are queued non-blocking and fenced by a CUDA event."""
+
+    def __init__(self) -> None:
+        self._pending: list[torch.cuda.Event] = []
+
+    def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a torch.Tensor")
+        dtype = cast_target(normalize_dtype(value.dtype), rollout_dtype)
+        return TensorSpec(name, dtype, tuple(value.shape))
+
+    async def write(self, items: Sequence[tuple[torch.Tensor, Placement]], region: Region) -> None:
+        on_device = region.view is None or any(t.is_cuda for t, _ in items)
+
+        def copy_all() -> None:
+            with torch.no_grad():
+                for value, placement in items:
+                    if placement.spec.nbytes:
+                        tensor_at(region, placement).copy_(value.detach(), non_blocking=on_device)
+
+        if on_device:
+            copy_all()
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append(event)
+        else:
+            await anyio.to_thread.run_sync(copy_all)
+
+    async def fence(self) -> None:
+        pending, self._pending = self._pending, []
+        for event in pending:
+            await anyio.to_thread.run_sync(event.synchronize)
