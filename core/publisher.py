@@ -95,8 +95,11 @@ class Publisher:
             raise InvalidArgumentError("digests are computed on host slots only (device='cpu')")
         self.registry = registry
         self.transport = transport
-        self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype)
-        self.when_full = WhenFull(when_full)
+        self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
+        try:
+            self.when_full = WhenFull(when_full)
+        except ValueError:
+            raise InvalidArgumentError(f"when_full must be one of wait, skip, fail; got {when_full!r}") from None
         self.wait_timeout = wait_timeout
         self.poll_interval = poll_interval
         self.bucket_bytes = bucket_bytes

@@ -1,7 +1,7 @@
 """The three state machines of weightpull, as transition tables in one place.
 
 Nothing else decides which event a state allows: the registry, the publisher and the
-docs (`python -m weightpull.states > docs/states.md`) all read these tables. An event a
+docs (`make docs` writes docs/states.md) all read these tables. An event a
 state does not allow raises `InvalidTransitionError`, naming the machine, state and event.
 """
 
@@ -133,14 +133,10 @@ def markdown() -> str:
     parts = [
         "# State machines",
         "",
-        "Generated from `core/states.py` by `python -m weightpull.states`; a test fails",
+        "Generated from `core/states.py` by `make docs`; a test fails",
         "when this file and the tables disagree. Any event not drawn from a state raises",
         "`InvalidTransitionError` naming the machine, the state and the event.",
     ]
     for machine in MACHINES:
         parts += ["", f"## {machine}", "", "```mermaid", mermaid(machine), "```"]
     return "\n".join(parts) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

@@ -20,11 +20,11 @@ from .layout import DTYPE_SIZES, Placement, TensorSpec
 from .transport import Region
 
 
-def normalize_dtype(dtype: object) -> str:
+def normalize_dtype(dtype: object, what: str = "dtype") -> str:
     """'bfloat16', torch.bfloat16 and 'torch.bfloat16' all name the same dtype."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_SIZES:
-        raise InvalidArgumentError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPE_SIZES)})")
+        raise InvalidArgumentError(f"unsupported {what} {dtype!r} (supported: {', '.join(DTYPE_SIZES)})")
     return name
 
 

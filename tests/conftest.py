@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from weightpull import FakeClock, HostTensor, InProcessRegistry, Publisher, Puller
+from weightpull.drivers.fake import FakeFabric, FakeTransport
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def autojump(clock: FakeClock):
+    """Let fake time jump whenever every task is blocked, for the body's duration."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(clock.autojump)
+        yield
+        tg.cancel_scope.cancel()
+
+
+def host_tensors(version: int, sizes=(1000, 300, 5000)) -> dict[str, HostTensor]:
+    """Small uint8 tensors whose bytes derive from the version and the name."""
+    return {
+        f"t{i}": HostTensor("uint8", (n,), bytes((version * 31 + i * 7 + k) % 251 for k in range(n)))
+        for i, n in enumerate(sizes)
+    }
+
+
+class World:
+    """A registry, a fabric and helpers to make publishers and pullers on one fake clock."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.registry = InProcessRegistry(self.clock)
+        self.fabric = FakeFabric()
+
+    def transport(self, **kw) -> FakeTransport:
+        return FakeTransport(clock=self.clock, fabric=self.fabric, **kw)
+
+    def publisher(self, **kw) -> Publisher:
+        kw.setdefault("rollout_dtype", None)
+        kw.setdefault("bucket_bytes", 2048)
+        return Publisher(self.registry, self.transport(), clock=self.clock, **kw)
+
+    def puller(self, transport: FakeTransport | None = None, **kw) -> Puller:
+        kw.setdefault("ttl", 5.0)
+        return Puller(self.registry, transport or self.transport(), clock=self.clock, **kw)
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
