@@ -59,7 +59,10 @@ class FakeClock:
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), event))
         if self._new_sleeper is not None:
             self._new_sleeper.set()
-        await event.wait()
+        try:
+            await event.wait()
+        finally:
+            event.set()  # a cancelled sleeper is no deadline for autojump to jump to
 
     def advance(self, seconds: float) -> None:
         """Move time forward and wake every sleeper now due. Never yields, so a caller

@@ -112,11 +112,18 @@ class Publisher:
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.last_version: int | None = None
         self._layout: Layout | None = None
+        self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
 
     async def publish(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> PublishResult:
         """Copy `tensors` into a free slot as `version` and announce it. Returns once the
         version is READY, or skipped (policy SKIP). On failure the version ends ABORTED
         and the previous READY version stays as it was."""
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:  # one publish at a time: slots are taken and filled in turn
+            return await self._publish(version, tensors)
+
+    async def _publish(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> PublishResult:
         started = self.clock.now()
         if self.last_version is not None and version <= self.last_version:
             raise VersionOrderError(f"version {version} must exceed the last published, {self.last_version}")

@@ -65,3 +65,13 @@ async def test_monotonic_clock_moves_forward():
     t0 = clock.now()
     await clock.sleep(0.01)
     assert clock.now() - t0 >= 0.005
+
+
+async def test_a_cancelled_sleep_is_no_deadline_for_autojump():
+    clock = FakeClock()
+    with anyio.move_on_after(0.01):
+        await clock.sleep(50)
+    assert clock.next_deadline() is None
+    async with autojump(clock):
+        await clock.sleep(1)
+    assert clock.now() == 1

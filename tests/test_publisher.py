@@ -185,3 +185,12 @@ async def test_host_tensors_refuse_a_cast_they_cannot_do(world):
     with pytest.raises(InvalidArgumentError, match="needs torch"):
         await pub.publish(1, {"w": HostTensor("float32", (1,), b"\0\0\0\0")})
     assert await world.registry.newest() is None
+
+
+async def test_concurrent_publishes_take_turns(world):
+    pub = world.publisher(num_slots=2)
+    async with anyio.create_task_group() as tg:
+        for v in (1, 2, 3):
+            tg.start_soon(pub.publish, v, host_tensors(v))
+    assert (await world.registry.newest()).version == 3
+    assert await states(world) == {2: VersionState.RETIRED, 3: VersionState.READY}
