@@ -8,19 +8,25 @@ no transport library, no vLLM.
 
 from .clock import Clock, FakeClock, MonotonicClock
 from .errors import (
+    AuthenticationError,
     DigestMismatchError,
     DriverUnavailableError,
     InvalidArgumentError,
     InvalidTransitionError,
     LeaseExpiredError,
     LeaseNotFoundError,
+    MalformedMessageError,
+    MessageTooLargeError,
     NoFreeSlotError,
     NoReadyVersionError,
     PeerGoneError,
+    ProtocolError,
     PublishError,
     PullError,
     RegionNotRegisteredError,
     RegistryError,
+    RegistryUnavailableError,
+    ReplayedMessageError,
     SlotWaitTimeoutError,
     TornReadError,
     TransportError,
@@ -36,7 +42,7 @@ from .layout import Bucket, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
-from .registry import InProcessRegistry, Lease, Registry, RegistryStatus
+from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, connect_registry
 from .states import LeaseState, SlotState, VersionState
 from .tensors import HostTensor, TensorAdapter
 from .transport import Region, Remote, Transport
@@ -45,6 +51,7 @@ from .transports import create_transport, list_transports, register_transport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "Bucket",
     "Clock",
     "DigestMismatchError",
@@ -59,12 +66,15 @@ __all__ = [
     "LeaseExpiredError",
     "LeaseNotFoundError",
     "LeaseState",
+    "MalformedMessageError",
     "Manifest",
+    "MessageTooLargeError",
     "MonotonicClock",
     "NoFreeSlotError",
     "NoReadyVersionError",
     "PeerGoneError",
     "Placement",
+    "ProtocolError",
     "PublishError",
     "PublishResult",
     "Publisher",
@@ -76,7 +86,9 @@ __all__ = [
     "Registry",
     "RegistryError",
     "RegistryStatus",
+    "RegistryUnavailableError",
     "Remote",
+    "ReplayedMessageError",
     "SlotState",
     "SlotWaitTimeoutError",
     "TensorAdapter",
@@ -93,6 +105,7 @@ __all__ = [
     "VersionWaitTimeoutError",
     "WeightpullError",
     "WhenFull",
+    "connect_registry",
     "create_transport",
     "list_transports",
     "plan_layout",

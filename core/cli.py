@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 import anyio
@@ -23,6 +24,7 @@ def _demo(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         tear=not args.no_tear,
         ttl=args.ttl,
+        registry=args.registry,
     )
     summary = anyio.run(run_demo, cfg)
     if args.json:
@@ -39,6 +41,123 @@ def _drivers(args: argparse.Namespace) -> int:
     for i in infos:
         state = "available" if i.available else f"unavailable: {i.reason}"
         print(f"{i.name:<10} {i.origin:<12} {state}")
+    return 0
+
+
+def _address(args: argparse.Namespace) -> str | None:
+    from .registry import REGISTRY_ENV
+
+    return args.registry or os.environ.get(REGISTRY_ENV) or None
+
+
+def _fail(exc: BaseException) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return 1
+
+
+def _registry_serve(args: argparse.Namespace) -> int:
+    from .errors import WeightpullError
+
+    try:
+        from weightpull.drivers.zmq_registry.server import DEFAULT_BIND, RegistryServer, run_server
+        from weightpull.drivers.zmq_registry.wire import SECRET_ENV, load_secret
+    except ImportError as exc:
+        return _fail(f"serving the registry needs pyzmq: pip install 'weightpull[service]' ({exc})")
+    try:
+        secret = load_secret(args.secret_file)
+        server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret)
+        if secret is None:
+            print(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
+                  "local process can publish, lease and read state", file=sys.stderr)
+
+        def ready(endpoint: str) -> None:
+            print(f"weightpull registry listening on {endpoint} (run {server.epoch})", flush=True)
+
+        anyio.run(run_server, server, ready)
+    except WeightpullError as exc:
+        return _fail(exc)
+    return 0
+
+
+def _registry_bench(args: argparse.Namespace) -> int:
+    from .errors import DriverUnavailableError, WeightpullError
+
+    try:
+        from weightpull.drivers.zmq_registry import bench
+        from weightpull.drivers.zmq_registry.wire import load_secret
+    except ImportError as exc:
+        return _fail(DriverUnavailableError(f"the bench needs pyzmq: pip install 'weightpull[service]' ({exc})"))
+
+    def measure(address: str, secret: bytes | None) -> bench.BenchResult:
+        return anyio.run(lambda: bench.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
+
+    try:
+        if args.clients < 1 or args.seconds <= 0:
+            return _fail("--clients must be at least 1 and --seconds positive")
+        address = _address(args)
+        if address:
+            result = measure(address, load_secret(args.secret_file))
+        else:
+            with bench.own_server() as (address, secret):
+                anyio.run(bench.publish_one, address, secret)
+                result = measure(address, secret)
+    except WeightpullError as exc:
+        return _fail(exc)
+    print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
+    return 0
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .errors import WeightpullError
+    from .registry import REGISTRY_ENV, connect_registry
+
+    address = _address(args)
+    if not address:
+        return _fail(f"status reads a served registry: pass --registry ADDRESS or set ${REGISTRY_ENV}")
+
+    async def fetch():
+        from weightpull.drivers.zmq_registry.wire import load_secret
+
+        reg = connect_registry(address, secret=load_secret(args.secret_file), retry_for=args.timeout)
+        try:
+            return await reg.status(), reg.epoch
+        finally:
+            await reg.aclose()
+
+    try:
+        status, run = anyio.run(fetch)
+    except WeightpullError as exc:
+        return _fail(exc)
+    if args.json:
+        print(json.dumps({"registry": address, "run": run, **status.to_dict()}))
+        return 0
+    newest = "none" if status.newest_ready is None else f"v{status.newest_ready}"
+    lines = [f"registry {address} (run {run}); newest READY: {newest}", "versions:"]
+    rows = [[f"v{v.version}", str(v.state), v.publisher, str(v.slot), _size(v.nbytes), f"{v.age:.1f} s",
+             str(v.live_leases), v.reason] for v in status.versions]
+    lines += _table([["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], *rows]) if rows else ["  (none)"]
+    lines.append("leases:")
+    rows = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
+    lines += _table([["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], *rows]) if rows else ["  (none)"]
+    lines.append("serving:")
+    rows = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
+    lines += _table([["REPLICA", "VERSION"], *rows]) if rows else ["  (none)"]
+    print("\n".join(lines))
     return 0
 
 
@@ -59,11 +178,41 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--ttl", type=float, default=2.0, help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)")
     demo.add_argument("--no-tear", action="store_true", help="do not tear a read on purpose")
     demo.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
+    demo.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else in-process)")
     demo.set_defaults(func=_demo)
 
     drivers = sub.add_parser("drivers", help="list transport drivers, and whether each loads here")
     drivers.add_argument("--json", action="store_true", help="print the list as JSON")
     drivers.set_defaults(func=_drivers)
+
+    registry = sub.add_parser("registry", help="serve the registry over ZeroMQ, or benchmark a served one")
+    rsub = registry.add_subparsers(dest="registry_command", required=True)
+    serve = rsub.add_parser("serve", help="serve a registry to publishers and replicas in other processes and hosts",
+                            description="Serve the registry over ZeroMQ; prints one line saying where it listens once "
+                            "ready. Requests and replies are signed with the secret from $WEIGHTPULL_SECRET or "
+                            "--secret-file; without one it serves loopback addresses only. State lives in memory: "
+                            "after a restart, clients re-announce what they stand by (docs/registry-service.md).")
+    serve.add_argument("--bind", help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:5555; port 0 picks a free one)")
+    serve.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    serve.set_defaults(func=_registry_serve)
+
+    bench = rsub.add_parser("bench", help="lease acquire/release round trips per second and p99 latency",
+                            description="Concurrent clients loop lease acquire+release on the newest READY version. "
+                            "With --registry (or $WEIGHTPULL_REGISTRY) it only leases what is there; without, it "
+                            "starts its own server process.")
+    bench.add_argument("--clients", type=int, default=8, help="concurrent clients (default: 8)")
+    bench.add_argument("--seconds", type=float, default=3.0, help="measured time (default: 3)")
+    bench.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)")
+    bench.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    bench.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    bench.set_defaults(func=_registry_bench)
+
+    status = sub.add_parser("status", help="a served registry's versions, live leases and what each replica serves")
+    status.add_argument("--registry", help="address of the served registry (default: $WEIGHTPULL_REGISTRY)")
+    status.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to keep trying to reach it (default: 5)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=_status)
     return p
 
 

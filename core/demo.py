@@ -24,7 +24,7 @@ import attrs
 from .errors import TornReadError
 from .publisher import Publisher
 from .puller import Pulled, Puller
-from .registry import InProcessRegistry
+from .registry import connect_registry
 from .transports import create_transport
 
 HIDDEN = 1024
@@ -42,6 +42,7 @@ class DemoConfig:
     ttl: float = 2.0  # the lease TTL; the replica whose read is torn uses a quarter of it
     step_s: float = 0.4  # the trainer's time per training step
     num_slots: int = 3
+    registry: str | None = None  # a served registry's address; None: $WEIGHTPULL_REGISTRY, else in-process
 
 
 def _torch() -> Any:
@@ -123,7 +124,7 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
         raise SystemExit("the demo needs at least 2 replicas and 2 versions")
     say = Progress(stream)
     model = SyntheticModel(cfg.size_mib << 20)
-    registry = InProcessRegistry()
+    registry = connect_registry(cfg.registry)
     publisher = Publisher(registry, create_transport(cfg.transport), num_slots=cfg.num_slots, name="trainer", bucket_bytes=32 << 20)
     truth: dict[int, str] = {}
     block_ms: list[float] = []
@@ -188,6 +189,8 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
         for i in range(cfg.replicas):
             tg.start_soon(run_replica, i)
     await publisher.aclose()
+    if hasattr(registry, "aclose"):
+        await registry.aclose()
     reports.sort(key=lambda r: r.name)
 
     speeds = [g for r in reports for g in r.pull_gbps]

@@ -60,6 +60,34 @@ class LeaseExpiredError(RegistryError):
     """The lease's TTL ran out on the registry's clock before this request."""
 
 
+# -- the served registry -------------------------------------------------------------------
+
+
+class RegistryUnavailableError(RegistryError, TimeoutError):
+    """A served registry did not answer within the client's whole retry deadline."""
+
+
+class AuthenticationError(RegistryError):
+    """A message failed its HMAC check: the two sides do not share the secret."""
+
+
+class ProtocolError(RegistryError):
+    """A message broke the served registry's wire protocol; the message says how."""
+
+
+class MalformedMessageError(ProtocolError, InvalidArgumentError):
+    """A message was not framed, encoded or typed as the protocol requires (a ValueError,
+    as an embedded registry's refusal of a wrong-typed argument is)."""
+
+
+class MessageTooLargeError(ProtocolError):
+    """A message exceeded the size limit."""
+
+
+class ReplayedMessageError(ProtocolError):
+    """A request reused a nonce, or its timestamp fell outside the replay window."""
+
+
 # -- publish / pull ------------------------------------------------------------------------
 
 

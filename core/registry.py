@@ -12,15 +12,19 @@ ones is what lets a retired slot drain and be reclaimed while readers keep polli
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import os
+import uuid
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import attrs
 
 from .clock import Clock, MonotonicClock, within
 from .errors import (
+    DriverUnavailableError,
     InvalidArgumentError,
     LeaseExpiredError,
     LeaseNotFoundError,
@@ -36,6 +40,24 @@ from .states import LeaseEvent, LeaseState, VersionEvent, VersionState, transiti
 
 DEFAULT_MAX_TTL = 600.0
 _MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
+REGISTRY_ENV = "WEIGHTPULL_REGISTRY"  # the address of a served registry
+_SERVED = "weightpull.drivers.zmq_registry.client:ZmqRegistry"
+
+
+def _checked(cls: type, data: Any, types: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """`data` as keyword arguments for `cls`, once its keys and value types match `types`
+    exactly (the dicts come off the wire: nothing is coerced)."""
+    if not isinstance(data, Mapping) or set(data) != set(types):
+        keys = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+        raise InvalidArgumentError(f"malformed {cls.__name__}: expected keys {sorted(types)}, got {keys}")
+    for key, want in types.items():
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise InvalidArgumentError(f"malformed {cls.__name__}: {key} must not be {value!r}")
+    return dict(data)
+
+
+_NUMBER = (int, float)
 
 
 @attrs.frozen
@@ -47,6 +69,14 @@ class Lease:
     holder: str
     ttl: float
     expires_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Lease:
+        types = {"id": str, "version": int, "holder": str, "ttl": _NUMBER, "expires_at": _NUMBER}
+        return cls(**_checked(cls, data, types))
 
 
 @attrs.frozen
@@ -60,6 +90,19 @@ class VersionInfo:
     live_leases: int
     reason: str = ""
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> VersionInfo:
+        types = {"version": int, "state": str, "publisher": str, "slot": int, "nbytes": (int, type(None)),
+                 "age": _NUMBER, "live_leases": int, "reason": str}
+        kw = _checked(cls, data, types)
+        try:
+            return cls(**{**kw, "state": VersionState(kw["state"])})
+        except ValueError:
+            raise InvalidArgumentError(f"malformed VersionInfo: no version state {kw['state']!r}") from None
+
 
 @attrs.frozen
 class LeaseInfo:
@@ -68,6 +111,13 @@ class LeaseInfo:
     holder: str
     expires_in: float
 
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> LeaseInfo:
+        return cls(**_checked(cls, data, {"id": str, "version": int, "holder": str, "expires_in": _NUMBER}))
+
 
 @attrs.frozen
 class RegistryStatus:
@@ -75,6 +125,27 @@ class RegistryStatus:
     versions: tuple[VersionInfo, ...]
     leases: tuple[LeaseInfo, ...]
     serving: Mapping[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "newest_ready": self.newest_ready,
+            "versions": [v.to_dict() for v in self.versions],
+            "leases": [x.to_dict() for x in self.leases],
+            "serving": dict(self.serving),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RegistryStatus:
+        kw = _checked(cls, data, {"newest_ready": (int, type(None)), "versions": list, "leases": list, "serving": dict})
+        serving = kw["serving"]
+        if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in serving.items()):
+            raise InvalidArgumentError(f"malformed RegistryStatus: serving must map names to versions, got {serving!r}")
+        return cls(
+            newest_ready=kw["newest_ready"],
+            versions=tuple(VersionInfo.from_dict(v) for v in kw["versions"]),
+            leases=tuple(LeaseInfo.from_dict(x) for x in kw["leases"]),
+            serving=dict(serving),
+        )
 
 
 @runtime_checkable
@@ -145,6 +216,9 @@ class InProcessRegistry:
         self._highest_begun = -1
         self._newest_ready: int | None = None
         self._serving: dict[str, int] = {}
+        # Lease ids are unique across registries: one from before a served registry
+        # restarted is never mistaken for one granted since.
+        self._lease_prefix = uuid.uuid4().hex[:12]
         self._lease_ids = itertools.count(1)
         self._committed: anyio.Event | None = None  # made lazily: needs a running loop
 
@@ -246,7 +320,7 @@ class InProcessRegistry:
                 f"version {version} is {record.state} and takes no new leases "
                 f"(newest READY: {self._newest_ready})"
             )
-        lease = _Lease(str(next(self._lease_ids)), version, holder, float(ttl), self.clock.now() + ttl)
+        lease = _Lease(f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl)
         self._prune(record)
         record.leases[lease.id] = lease
         self._lease_index[lease.id] = version
@@ -351,3 +425,21 @@ class InProcessRegistry:
         for lease_id in ended[: max(0, len(ended) - _MAX_ENDED_LEASES)]:
             del record.leases[lease_id]
             del self._lease_index[lease_id]
+
+
+def connect_registry(address: str | None = None, **options: Any) -> Registry:
+    """The registry served at `address` (else at `$WEIGHTPULL_REGISTRY`), or, with
+    neither, a new in-process one. `options` go to the served registry's client (secret,
+    timeout, ...). The client loads lazily: it needs pyzmq, the `service` extra."""
+    address = address or os.environ.get(REGISTRY_ENV) or None
+    if address is None:
+        return InProcessRegistry()
+    module, _, name = _SERVED.partition(":")
+    try:
+        client = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise DriverUnavailableError(
+            f"the registry at {address} is served over ZeroMQ, which needs pyzmq: "
+            f"pip install 'weightpull[service]' ({exc})"
+        ) from exc
+    return client(address, **options)

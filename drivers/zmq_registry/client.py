@@ -1,0 +1,322 @@
+"""The served registry's client: the `Registry` interface over ZeroMQ (asyncio only, as
+pyzmq's async sockets are).
+
+Each call is one request on a DEALER socket of a small pool, one socket per call in
+flight, so concurrent calls never wait on each other's replies. An attempt that gets no
+reply within `timeout` closes its socket (so a late reply cannot reach the next call)
+and is sent again on a fresh one: same request id, fresh nonce; the server answers a
+retried request from its reply cache rather than running it twice. After `retry_for`
+seconds without an answer the call raises `RegistryUnavailableError`.
+
+Restart: the server keeps no state across runs, and every reply names its run epoch.
+On a new one this client replays what it told the old run and still stands by (each
+publisher's newest committed version, versions begun and not yet ended, what each
+replica serves), then resends the call. Leases are not replayed: the new run knows none,
+so a read under one fails its final check as torn and the puller retries. A client that
+publishes sends a heartbeat, so the replay happens within about a second of a restart
+even while the trainer is between publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from weightpull.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    MessageTooLargeError,
+    RegistryError,
+    RegistryUnavailableError,
+    VersionWaitTimeoutError,
+)
+from weightpull.manifest import Manifest
+from weightpull.registry import Lease, RegistryStatus
+
+from . import wire
+
+log = logging.getLogger("weightpull.registry.client")
+
+
+class _NewRun(Exception):
+    """The server moved to another run while this client replayed into one."""
+
+    def __init__(self, epoch: str) -> None:
+        self.epoch = epoch
+
+
+class ZmqRegistry:
+    """A client of `weightpull registry serve`, interchangeable with `InProcessRegistry`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: bytes | str | None = None,
+        timeout: float = 2.0,
+        retry_for: float = 30.0,
+        wait_poll: float = 10.0,
+        heartbeat: float | None = 1.0,
+        max_message: int = wire.MAX_MESSAGE,
+    ) -> None:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise InvalidArgumentError(f"a registry address looks like tcp://HOST:PORT, got {address!r}")
+        if timeout <= 0 or retry_for < 0 or wait_poll <= 0:
+            raise InvalidArgumentError("timeout and wait_poll must be positive, retry_for non-negative")
+        self.address = address
+        secret = wire.load_secret() if secret is None else secret
+        self._key = secret.encode() if isinstance(secret, str) else secret or b""
+        self.timeout = timeout
+        self.retry_for = retry_for
+        self.wait_poll = wait_poll
+        self.heartbeat = heartbeat
+        self.max_message = max_message
+        self.epoch: str | None = None  # the server run this client last spoke with
+        # What this client told the registry and stands by, replayed into a new run.
+        self._committed: dict[str, Manifest] = {}  # publisher -> its newest committed
+        self._writing: dict[int, tuple[str, int]] = {}  # version -> (publisher, slot)
+        self._serving: dict[str, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: list[zmq.asyncio.Socket] = []
+        self._adopting: anyio.Lock | None = None
+        self._beat: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"ZmqRegistry({self.address!r}, run={self.epoch})"
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def begin(self, version: int, *, publisher: str, slot: int) -> None:
+        await self._call("begin", version=version, publisher=publisher, slot=slot)
+        self._writing[version] = (publisher, slot)
+        self._start_heartbeat()
+
+    async def commit(self, manifest: Manifest) -> None:
+        await self._call("commit", manifest=manifest.to_dict())
+        self._writing.pop(manifest.version, None)
+        last = self._committed.get(manifest.publisher)
+        if last is None or last.version < manifest.version:
+            self._committed[manifest.publisher] = manifest
+
+    async def abort(self, version: int, reason: str = "") -> None:
+        try:
+            await self._call("abort", version=version, reason=reason)
+        finally:
+            self._writing.pop(version, None)  # given up on, whatever the registry said
+
+    async def retire(self, version: int) -> None:
+        await self._call("retire", version=version)
+        self._forget(version)
+
+    async def reclaim(self, version: int) -> None:
+        await self._call("reclaim", version=version)
+        self._forget(version)
+
+    def _forget(self, version: int) -> None:
+        self._writing.pop(version, None)
+        for publisher, manifest in list(self._committed.items()):
+            if manifest.version == version:
+                del self._committed[publisher]
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def newest(self) -> Manifest | None:
+        data = await self._call("newest")
+        return None if data is None else Manifest.from_dict(data)
+
+    async def get(self, version: int) -> Manifest:
+        return Manifest.from_dict(await self._call("get", version=version))
+
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
+        return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder))
+
+    async def renew(self, lease: Lease) -> Lease:
+        return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))
+
+    async def release(self, lease: Lease) -> None:
+        await self._call("release", lease=lease.to_dict())
+
+    async def is_valid(self, lease: Lease) -> bool:
+        return bool(await self._call("is_valid", lease=lease.to_dict()))
+
+    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
+        """Long-polls of at most `wait_poll` seconds each, so no request outlives a
+        server restart by long."""
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        while True:
+            left = self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
+            try:
+                data = await self._call("wait_for_version", min_version=min_version, timeout=left,
+                                        _attempt_timeout=left + self.timeout)
+                return Manifest.from_dict(data)
+            except VersionWaitTimeoutError:
+                if deadline is not None and anyio.current_time() >= deadline:
+                    raise VersionWaitTimeoutError(f"no version >= {min_version} within {timeout} s") from None
+
+    # -- replicas and status -------------------------------------------------------------
+
+    async def report_serving(self, replica: str, version: int) -> None:
+        await self._call("report_serving", replica=replica, version=version)
+        self._serving[replica] = version
+
+    async def status(self) -> RegistryStatus:
+        return RegistryStatus.from_dict(await self._call("status"))
+
+    async def ping(self) -> str:
+        """One round trip; the server's run epoch."""
+        await self._call("ping")
+        assert self.epoch is not None
+        return self.epoch
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat and close every socket. The registry's state is the
+        server's: closing a client ends nothing there (leases lapse by their TTL)."""
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+        self._reset(None)
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def _call(self, op: str, *, _attempt_timeout: float | None = None, _run: str | None = None, **args: Any) -> Any:
+        """Send `op` until it is answered, retrying after timeouts and a server restart.
+        With `_run`, only into that run (the replay), raising `_NewRun` if it is gone."""
+        req = wire.Request(uuid.uuid4().hex, op, args, _run or self.epoch)
+        deadline = anyio.current_time() + self.retry_for
+        while True:
+            reply = await self._exchange(req, _attempt_timeout or self.timeout)
+            if reply is not None and reply.epoch_changed:
+                if _run is not None:
+                    raise _NewRun(reply.epoch)
+                await self._adopt(reply.epoch)
+            elif reply is not None:
+                if reply.ok:
+                    return reply.result
+                assert reply.error is not None
+                raise wire.error_from_dict(reply.error)
+            if anyio.current_time() >= deadline:
+                raise RegistryUnavailableError(
+                    f"the registry at {self.address} did not answer {op} within {self.retry_for:g} s"
+                )
+            req = req.retry(_run or self.epoch)
+
+    async def _exchange(self, req: wire.Request, timeout: float) -> wire.Reply | None:
+        """One attempt: the reply to `req`, or None if none came within `timeout`."""
+        try:
+            frames = wire.encode_request(self._key, req)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{req.op}: arguments are not JSON values: {exc}") from None
+        if len(frames[0]) > self.max_message:
+            raise MessageTooLargeError(f"{req.op}: request of {len(frames[0])} bytes exceeds {self.max_message}")
+        sock = self._checkout()
+        answered = False
+        try:
+            with anyio.move_on_after(timeout):
+                await sock.send_multipart(frames)
+                while True:
+                    frames = await sock.recv_multipart()
+                    try:
+                        reply = wire.decode_reply(self._key, frames, max_bytes=self.max_message)
+                    except AuthenticationError:
+                        raise AuthenticationError(
+                            f"the registry at {self.address} and this client do not share a secret, so it "
+                            f"refused {req.op} (set ${wire.SECRET_ENV} or --secret-file to the server's secret)"
+                        ) from None
+                    # Only this request is outstanding on this socket; a broken message
+                    # is answered with re=None, which is also ours.
+                    if reply.re in (req.nonce, None) and reply.id in (req.id, None):
+                        answered = True
+                        return reply
+                    log.debug("dropped a reply to another request (%s)", reply.id)
+            return None
+        finally:
+            if answered:
+                self._idle.append(sock)
+            else:
+                sock.close(linger=0)
+
+    def _checkout(self) -> zmq.asyncio.Socket:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # pyzmq's asyncio sockets belong to one loop
+            self._reset(loop)
+        if self._idle:
+            return self._idle.pop()
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # one I/O thread for all clients
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        for sock in self._idle:
+            sock.close(linger=0)
+        self._idle.clear()
+        self._loop = loop
+        self._adopting = anyio.Lock() if loop is not None else None
+
+    # -- restarts ------------------------------------------------------------------------
+
+    async def _adopt(self, epoch: str) -> None:
+        """Move to the server's run `epoch`, replaying the journal into it first; the
+        calls that meet the new run meanwhile wait here, then resend."""
+        assert self._adopting is not None
+        async with self._adopting:
+            while epoch != self.epoch:
+                if self.epoch is None:  # first contact: nothing to replay
+                    self.epoch = epoch
+                    break
+                try:
+                    await self._replay(epoch)
+                except _NewRun as exc:  # restarted again meanwhile
+                    epoch = exc.epoch
+                    continue
+                log.warning("registry at %s restarted (run %s -> %s); replayed %d committed, %d begun, %d serving",
+                            self.address, self.epoch, epoch, len(self._committed), len(self._writing), len(self._serving))
+                self.epoch = epoch
+
+    async def _replay(self, run: str) -> None:
+        # Oldest first: versions only move forward in a run.
+        for manifest in sorted(self._committed.values(), key=lambda m: m.version):
+            try:
+                await self._call("begin", version=manifest.version, publisher=manifest.publisher,
+                                 slot=manifest.slot, _run=run)
+                await self._call("commit", manifest=manifest.to_dict(), _run=run)
+            except RegistryError as exc:
+                self._replay_refused(exc, f"v{manifest.version}")
+                del self._committed[manifest.publisher]
+        for version, (publisher, slot) in sorted(self._writing.items()):
+            try:
+                await self._call("begin", version=version, publisher=publisher, slot=slot, _run=run)
+            except RegistryError as exc:
+                self._replay_refused(exc, f"v{version} (being written)")
+                del self._writing[version]
+        for replica, version in self._serving.items():
+            await self._call("report_serving", replica=replica, version=version, _run=run)
+
+    def _replay_refused(self, exc: RegistryError, what: str) -> None:
+        """Forget `what` if the new run refused it (another publisher's newer version
+        came first, say); keep it, and fail, if the run did not answer."""
+        if isinstance(exc, RegistryUnavailableError):
+            raise exc
+        log.warning("could not re-announce %s into the restarted registry: %s", what, exc)
+
+    def _start_heartbeat(self) -> None:
+        """Publishers ping, so a restarted registry learns their versions without
+        waiting for the next publish. A daemon task of the loop: the Registry
+        interface has no scope to run it in; `aclose` or the loop's end stops it."""
+        if self.heartbeat and (self._beat is None or self._beat.done()):
+            self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        assert self.heartbeat
+        while self._committed or self._writing:
+            await anyio.sleep(self.heartbeat)
+            try:
+                await self._call("ping")
+            except RegistryError as exc:
+                log.warning("heartbeat to %s failed: %s", self.address, exc)
