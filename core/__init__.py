@@ -6,8 +6,12 @@ held throughout. `import weightpull` loads the core alone (anyio and attrs): no 
 no transport library, no vLLM.
 """
 
+from .agent import EngineControl, PauseMode, UpdateAgent
 from .clock import Clock, FakeClock, MonotonicClock
+from .dispatcher import Dispatcher, Prompt
 from .errors import (
+    AgentFailedError,
+    ApplyError,
     AuthenticationError,
     DigestMismatchError,
     DriverUnavailableError,
@@ -28,6 +32,7 @@ from .errors import (
     RegistryUnavailableError,
     ReplayedMessageError,
     SlotWaitTimeoutError,
+    StaleSampleError,
     TornReadError,
     TransportError,
     UnknownDriverError,
@@ -43,6 +48,7 @@ from .manifest import Manifest
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
 from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, connect_registry
+from .staleness import Group, StalenessClock, Trajectory
 from .states import LeaseState, SlotState, VersionState
 from .tensors import HostTensor, TensorAdapter
 from .transport import Region, Remote, Transport
@@ -51,12 +57,17 @@ from .transports import create_transport, list_transports, register_transport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentFailedError",
+    "ApplyError",
     "AuthenticationError",
     "Bucket",
     "Clock",
     "DigestMismatchError",
+    "Dispatcher",
     "DriverUnavailableError",
+    "EngineControl",
     "FakeClock",
+    "Group",
     "HostTensor",
     "InProcessRegistry",
     "InvalidArgumentError",
@@ -72,8 +83,10 @@ __all__ = [
     "MonotonicClock",
     "NoFreeSlotError",
     "NoReadyVersionError",
+    "PauseMode",
     "PeerGoneError",
     "Placement",
+    "Prompt",
     "ProtocolError",
     "PublishError",
     "PublishResult",
@@ -91,12 +104,16 @@ __all__ = [
     "ReplayedMessageError",
     "SlotState",
     "SlotWaitTimeoutError",
+    "StaleSampleError",
+    "StalenessClock",
     "TensorAdapter",
     "TensorSpec",
     "TornReadError",
+    "Trajectory",
     "Transport",
     "TransportError",
     "UnknownDriverError",
+    "UpdateAgent",
     "VersionInUseError",
     "VersionNotFoundError",
     "VersionOrderError",

@@ -140,3 +140,25 @@ class UnknownDriverError(WeightpullError, LookupError):
 
 class DriverUnavailableError(WeightpullError, ImportError):
     """The driver is known but cannot load here; the message names the missing extra."""
+
+
+# -- replicas: update agent, apply, dispatch -----------------------------------------------
+
+
+class ApplyError(WeightpullError):
+    """Loading a pulled version into an engine's weights failed partway. The replica was
+    left paused and given back the last good version (`restored`), or, if even that
+    failed, it holds no defined weights (`restored` is None) and must not serve."""
+
+    def __init__(self, message: str, *, version: int, restored: int | str | None) -> None:
+        super().__init__(message)
+        self.version, self.restored = version, restored
+
+
+class AgentFailedError(WeightpullError):
+    """A replica's update agent stopped on an error; what waited on it fails with this,
+    chained to the cause, instead of waiting forever."""
+
+
+class StaleSampleError(WeightpullError):
+    """A training sample held a group older than the staleness bound allows."""

@@ -1,0 +1,250 @@
+"""The update agent: one per replica, beside its engine.
+
+It watches the registry. When the newest version is `min_version_lag` ahead of the one the
+replica serves (the first version always), it has the replica prefetch that version into
+its mirror while generation goes on, then pauses generation, applies the mirror to the
+weights, labels the engine's outputs with the version, resumes, and reports the version
+to the registry. Only the pause, apply, label and resume sit inside the pause.
+
+The engine is reached through `EngineControl`, so the agent knows no engine: the vLLM
+binding lives in `weightpull.integrations.vllm`, and tests drive a fake on a FakeClock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Protocol, runtime_checkable
+
+import anyio
+import attrs
+
+from .clock import Clock, MonotonicClock, within
+from .errors import (
+    AgentFailedError,
+    InvalidArgumentError,
+    PullError,
+    RegistryError,
+    TornReadError,
+    TransportError,
+    VersionWaitTimeoutError,
+)
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class PauseMode(enum.Enum):
+    """What happens to requests in flight when an update pauses generation."""
+
+    ABORT = "abort"  # abort them (the caller retries): one version per trajectory
+    WAIT = "wait"  # let them finish on the old weights first: one version per trajectory
+    KEEP = "keep"  # freeze them and go on after the update: two versions in one trajectory
+
+
+@runtime_checkable
+class EngineControl(Protocol):
+    """What the agent drives on its replica's engine."""
+
+    async def prefetch(self, version: int) -> None:
+        """Return once the replica's mirror holds `version`, verified; generation goes
+        on meanwhile. Raises `PullError` (a torn read...) when the copy is unusable."""
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def apply(self, version: int) -> None:
+        """Load the mirrored `version` into the weights and reset the caches built on the
+        old ones. On failure, restore the last good version and raise `ApplyError`."""
+
+    async def label(self, version: int) -> None:
+        """Tag what the engine generates from now on with `version`."""
+
+    async def resume(self) -> None: ...
+
+
+# A pull can fail for reasons that pass: a torn read, a version retired before it was
+# leased, a transport hiccup. The agent tries the newest version again, a few times.
+_RETRYABLE = (PullError, RegistryError, TransportError)
+
+
+@attrs.define
+class AgentStats:
+    applied: list[int] = attrs.Factory(list)
+    pause_s: list[float] = attrs.Factory(list)  # pause -> resume, per update
+    prefetch_s: list[float] = attrs.Factory(list)
+    pull_failures: int = 0  # prefetches that failed and were tried again
+    torn_reads: int = 0  # of which torn: the lease lapsed mid-read, the copy was rejected
+
+
+class UpdateAgent:
+    def __init__(
+        self,
+        name: str,
+        registry: Registry,
+        engine: EngineControl,
+        *,
+        min_version_lag: int = 1,
+        pause_mode: PauseMode | str = PauseMode.ABORT,
+        max_pull_attempts: int = 5,
+        retry_delay: float = 0.1,
+        clock: Clock | None = None,
+    ) -> None:
+        if not isinstance(min_version_lag, int) or min_version_lag < 1:
+            raise InvalidArgumentError(f"min_version_lag must be an int >= 1, got {min_version_lag!r}")
+        if max_pull_attempts < 1:
+            raise InvalidArgumentError(f"max_pull_attempts must be >= 1, got {max_pull_attempts!r}")
+        try:
+            self.pause_mode = PauseMode(pause_mode)
+        except ValueError:
+            raise InvalidArgumentError(f"pause_mode must be abort, wait or keep; got {pause_mode!r}") from None
+        self.name = name
+        self.registry = registry
+        self.engine = engine
+        self.min_version_lag = min_version_lag
+        self.max_pull_attempts = max_pull_attempts
+        self.retry_delay = retry_delay
+        self.clock = clock or MonotonicClock()
+        self.serving: int | None = None
+        self.failure: BaseException | None = None
+        self.stats = AgentStats()
+        self._forced = -1  # wait_for_version asked for at least this version
+        self._failed_pulls = 0  # in a row
+        # Made lazily (they need a running event loop). `_changed` is set, then replaced,
+        # whenever the served version or the failure changes; `_poke` re-aims the watch.
+        self._changed: anyio.Event | None = None
+        self._poke: anyio.Event | None = None
+        self._running = False
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep the replica on a recent version until cancelled. On an error the agent
+        is marked failed (every waiter gets `AgentFailedError`) and the error propagates,
+        so the task group running it, and the job, fail."""
+        if self._running:
+            raise InvalidArgumentError(f"agent {self.name!r} is already running")
+        self._running = True
+        try:
+            while True:
+                version = await self._next_version()
+                if await self._prefetch(version):
+                    await self._update(version)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            self.failure = exc
+            log.error("agent %s failed: %r", self.name, exc)
+            raise
+        finally:
+            self._running = False
+            self._notify()
+
+    def _target(self) -> int:
+        """The version the replica waits for: `min_version_lag` past the one it serves,
+        sooner if `wait_for_version` asked."""
+        if self.serving is None:
+            return 0
+        target = self.serving + self.min_version_lag
+        if self._forced > self.serving:
+            target = min(target, self._forced)
+        return target
+
+    async def _next_version(self) -> int:
+        """The newest READY version once it reaches the target; re-aimed when poked."""
+        while True:
+            self._poke = anyio.Event()
+            found: list[int] = []
+            async with anyio.create_task_group() as tg:
+
+                async def newest() -> None:
+                    found.append((await self.registry.wait_for_version(self._target())).version)
+                    tg.cancel_scope.cancel()
+
+                async def poked() -> None:
+                    assert self._poke is not None
+                    await self._poke.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(newest)
+                tg.start_soon(poked)
+            if found:
+                return found[0]
+
+    async def _prefetch(self, version: int) -> bool:
+        """Mirror `version` while generation goes on. False after a failure that may
+        pass (the loop then looks for the newest version again); raises after
+        `max_pull_attempts` of them in a row."""
+        started = self.clock.now()
+        try:
+            await self.engine.prefetch(version)
+        except _RETRYABLE as exc:
+            self.stats.pull_failures += 1
+            self.stats.torn_reads += isinstance(exc, TornReadError)
+            self._failed_pulls += 1
+            log.warning("agent %s: prefetch of v%s failed (%d in a row): %s", self.name, version, self._failed_pulls, exc)
+            if self._failed_pulls >= self.max_pull_attempts:
+                raise
+            await self.clock.sleep(self.retry_delay)
+            return False
+        self._failed_pulls = 0
+        self.stats.prefetch_s.append(self.clock.now() - started)
+        return True
+
+    async def _update(self, version: int) -> None:
+        """The pause: nothing slow happens inside it. An apply that fails leaves the
+        engine paused (on its last good version) and fails the agent."""
+        started = self.clock.now()
+        await self.engine.pause(self.pause_mode)
+        await self.engine.apply(version)
+        await self.engine.label(version)
+        await self.engine.resume()
+        self.stats.pause_s.append(self.clock.now() - started)
+        self.stats.applied.append(version)
+        self.serving = version
+        self._notify()
+        log.info("agent %s: serving v%s (paused %.0f ms)", self.name, version, self.stats.pause_s[-1] * 1e3)
+        await self.registry.report_serving(self.name, version)
+
+    # -- waiting on the agent --------------------------------------------------------------
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise AgentFailedError(f"the update agent of {self.name!r} failed: {self.failure!r}") from self.failure
+
+    def _event(self) -> anyio.Event:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        return self._changed
+
+    async def wait_changed(self) -> None:
+        """Return when the served version changes; raise `AgentFailedError` if the agent
+        has failed or fails meanwhile."""
+        self._check()
+        await self._event().wait()
+        self._check()
+
+    async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
+        """Load `version` or a newer one now, whatever `min_version_lag` says (to validate
+        a checkpoint, say), and return the version served once it is at least `version`."""
+        if not isinstance(version, int) or version < 0:
+            raise InvalidArgumentError(f"version must be a non-negative int, got {version!r}")
+        if version > self._forced:
+            self._forced = version
+            if self._poke is not None:
+                self._poke.set()
+        deadline = None if timeout is None else self.clock.now() + timeout
+        while True:
+            self._check()
+            if self.serving is not None and self.serving >= version:
+                return self.serving
+            remaining = None if deadline is None else deadline - self.clock.now()
+            if remaining is not None and remaining <= 0:
+                raise VersionWaitTimeoutError(
+                    f"{self.name} did not serve v{version} or newer within {timeout} s (serving: {self.serving})"
+                )
+            await within(self.clock, remaining, self._event().wait)

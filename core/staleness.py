@@ -1,0 +1,116 @@
+"""The staleness clock: how far behind the trainer the weights of a rollout are.
+
+Weight versions are the clock. The trainer's newest version is `now`; a trajectory is as
+old as `now` minus the version it *started* on, and a group (the samples of one prompt)
+as old as the oldest version any of its trajectories started on. Eviction, metrics and
+sampling checks all ask one `StalenessClock`, so they never disagree about what is too
+stale. Sans-IO: nothing here waits or reads time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from .errors import InvalidArgumentError, StaleSampleError
+
+
+def _versions(value: Iterable[int]) -> tuple[int, ...]:
+    versions = tuple(value)
+    if not versions or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions):
+        raise InvalidArgumentError(f"a trajectory needs one or more non-negative int versions, got {versions!r}")
+    return versions
+
+
+@attrs.frozen
+class Trajectory:
+    """One completed generation, and the weight versions that produced it, in order:
+    one version, unless an update paused in `keep` mode while it ran."""
+
+    prompt_id: str
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    versions: tuple[int, ...] = attrs.field(converter=_versions)
+    group: str = ""
+    replica: str = ""
+
+    @property
+    def start_version(self) -> int:
+        return self.versions[0]
+
+
+@attrs.frozen
+class Group:
+    """The trajectories of one prompt group, consumed together."""
+
+    id: str
+    trajectories: tuple[Trajectory, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.trajectories:
+            raise InvalidArgumentError(f"group {self.id!r} has no trajectories")
+
+    @property
+    def start_version(self) -> int:
+        """The oldest version any of its trajectories started on: the group's age."""
+        return min(t.start_version for t in self.trajectories)
+
+
+Aged = Trajectory | Group
+
+
+class StalenessClock:
+    """The trainer's version, and the one definition of age measured against it."""
+
+    def __init__(self, max_staleness: int, now: int = 0) -> None:
+        for what, value in (("max_staleness", max_staleness), ("now", now)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgumentError(f"{what} must be a non-negative int, got {value!r}")
+        self.max_staleness = max_staleness
+        self.now = now
+
+    def advance(self, version: int) -> None:
+        """The trainer moved on to `version` (the clock never goes back)."""
+        if not isinstance(version, int) or version < self.now:
+            raise InvalidArgumentError(f"the staleness clock is at {self.now}; it cannot move to {version!r}")
+        self.now = version
+
+    def age(self, item: Aged) -> int:
+        return self.now - item.start_version
+
+    def is_stale(self, item: Aged) -> bool:
+        return self.age(item) > self.max_staleness
+
+    def min_weight_version(self) -> int:
+        """The `min_weight_version` to tag a prompt submitted now with: the oldest
+        weights it may start on and still be fresh enough at this version."""
+        return max(0, self.now - self.max_staleness)
+
+    def evict(self, groups: Iterable[Group]) -> tuple[list[Group], list[Group]]:
+        """(fresh, evicted): split a buffer of groups by age."""
+        fresh: list[Group] = []
+        evicted: list[Group] = []
+        for g in groups:
+            (evicted if self.is_stale(g) else fresh).append(g)
+        return fresh, evicted
+
+    def check(self, groups: Sequence[Group]) -> None:
+        """Refuse a training sample holding any group older than `max_staleness`."""
+        stale = [g for g in groups if self.is_stale(g)]
+        if stale:
+            worst = max(stale, key=self.age)
+            raise StaleSampleError(
+                f"{len(stale)} of {len(groups)} groups are older than {self.max_staleness} versions at "
+                f"v{self.now} (oldest: group {worst.id!r}, started on v{worst.start_version})"
+            )
+
+    def metrics(self, groups: Sequence[Group]) -> dict[str, Any]:
+        ages = [self.age(g) for g in groups]
+        if not ages:
+            return {"staleness/max": 0, "staleness/mean": 0.0, "staleness/stale_fraction": 0.0}
+        return {
+            "staleness/max": max(ages),
+            "staleness/mean": sum(ages) / len(ages),
+            "staleness/stale_fraction": sum(a > self.max_staleness for a in ages) / len(ages),
+        }
