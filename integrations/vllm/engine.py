@@ -1,0 +1,219 @@
+"""The engine side: an `AsyncLLM` replica, its update agent, and what the dispatcher runs.
+
+`VllmEngine` is the agent's `EngineControl` over an `AsyncLLM` whose workers carry
+`WeightpullWorker`: prefetch and apply are `collective_rpc` calls into the workers;
+pause, resume, the cache reset and the version label are `AsyncLLM`'s own.
+`VllmReplica` is what the dispatcher starts prompts on. `open_replica` puts the three
+together around a new engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import attrs
+
+from weightpull import errors
+from weightpull.agent import PauseMode, UpdateAgent
+from weightpull.clock import Clock, MonotonicClock
+from weightpull.dispatcher import Prompt
+from weightpull.errors import ApplyError, PullError, WeightpullError
+from weightpull.registry import Registry
+from weightpull.staleness import Trajectory
+
+from .worker import WORKER_EXTENSION
+
+
+def _error(info: Mapping[str, str]) -> WeightpullError:
+    """Rebuild a worker's error from its plain-data form, as its weightpull type if any."""
+    cls = getattr(errors, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, WeightpullError) and cls is not ApplyError:
+        try:
+            return cls(info["message"])
+        except TypeError:
+            pass
+    return PullError(f"{info['type']}: {info['message']}")
+
+
+@attrs.frozen
+class PullSpec:
+    """How each worker reaches the registry and the publisher's memory."""
+
+    registry: str  # the served registry's address
+    holder: str  # the lease holder's name (the replica's)
+    transport: str = "nixl"
+    ttl: float = 10.0
+    registry_options: Mapping[str, Any] = attrs.field(factory=dict)
+    transport_options: Mapping[str, Any] = attrs.field(factory=dict)
+    faults: Mapping[str, Any] | None = None  # `weightpull.drivers.faulty.Faults` fields
+
+
+class VllmEngine:
+    """`EngineControl` for one `AsyncLLM`."""
+
+    def __init__(self, llm: Any, *, poll_interval: float = 0.02, apply_timeout: float = 60.0, clock: Clock | None = None) -> None:
+        self.llm = llm
+        self.poll_interval = poll_interval
+        self.apply_timeout = apply_timeout
+        self.clock = clock or MonotonicClock()
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self.llm.collective_rpc(method, args=args)
+
+    async def start(self, spec: PullSpec) -> None:
+        """Connect every worker to the registry and register its mirrors."""
+        await self._rpc("weightpull_start", attrs.asdict(spec))
+
+    async def prefetch(self, version: int) -> None:
+        statuses = await self._rpc("weightpull_prefetch", version)
+        while True:
+            for status in statuses:
+                if status["error"] is not None:
+                    raise _error(status["error"])
+            if all(s["pulled"] == version for s in statuses):
+                return
+            if any(s["pending"] != version and s["pulled"] != version for s in statuses):
+                raise PullError(f"the prefetch of v{version} is no longer under way (restarted?)")
+            await self.clock.sleep(self.poll_interval)
+            statuses = await self._rpc("weightpull_status")
+
+    async def pause(self, mode: PauseMode) -> None:
+        # The caches are reset once, after the apply (nothing runs in between).
+        await self.llm.pause_generation(mode=mode.value, clear_cache=False)
+
+    async def apply(self, version: int) -> None:
+        results = await self._rpc("weightpull_apply", version, self.apply_timeout)
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            restored = {r["restored"] for r in failed}
+            if len(failed) < len(results):  # the others loaded it: give them back the old one too
+                restored |= set(await self._rpc("weightpull_revert"))
+            last_good = restored.pop() if len(restored) == 1 else None
+            raise ApplyError(
+                f"applying v{version} failed on {len(failed)} of {len(results)} workers "
+                f"({failed[0]['error']['type']}: {failed[0]['error']['message']}); "
+                + (f"the replica holds {last_good!r} again and stays paused" if last_good is not None
+                   else "the last good version could not be restored: the replica stays paused and must not serve"),
+                version=version,
+                restored=last_good,
+            )
+        await self._rpc("weightpull_commit", version)
+        # Blocks cached under the old weights must not be reused; requests frozen by a
+        # `keep` pause are recomputed on the new weights.
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    async def label(self, version: int) -> None:
+        # What `finish_weight_update(weight_version=...)` does after its own transfer.
+        await self.llm.update_weight_version(str(version))
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def stop(self) -> None:
+        await self._rpc("weightpull_stop")
+
+
+class VllmReplica:
+    """A replica as the dispatcher sees it: `generate` on the engine, versions from the agent."""
+
+    def __init__(self, name: str, llm: Any, agent: UpdateAgent, sampling_params: Any) -> None:
+        self.name = name
+        self.llm = llm
+        self.agent = agent
+        self.sampling_params = sampling_params
+        self._ids = itertools.count()
+
+    @property
+    def serving(self) -> int | None:
+        return self.agent.serving
+
+    async def wait_changed(self) -> None:
+        await self.agent.wait_changed()
+
+    async def generate(self, prompt: Prompt) -> Trajectory | None:
+        """`prompt.payload` is a list of token ids. The trajectory's versions are the ones
+        vLLM recorded for its tokens (their `weight_versions` spans)."""
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        request_id = f"{prompt.id}@{self.name}#{next(self._ids)}"
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt.payload)), self.sampling_params, request_id=request_id):
+            final = output
+        completion = final.outputs[0] if final is not None else None
+        if completion is None or completion.finish_reason == "abort":
+            return None  # an update aborted it: the dispatcher starts it again
+        versions = [int(span.version) for span in completion.weight_versions or ()]
+        return Trajectory(prompt.id, completion.token_ids, versions, group=prompt.group, replica=self.name)
+
+
+def engine_args(model: str, **overrides: Any) -> Any:
+    """`AsyncEngineArgs` for a replica: the weightpull worker extension (or a subclass of
+    it; None for a plain engine), token-id prompts, and a bounded KV cache (the CPU
+    backend otherwise reserves most of the RAM)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw: dict[str, Any] = {"skip_tokenizer_init": True, "kv_cache_memory_bytes": 32 << 20, "enforce_eager": True,
+                          "disable_log_stats": True, "worker_extension_cls": WORKER_EXTENSION, **overrides}
+    if kw["worker_extension_cls"] is None:
+        kw["worker_extension_cls"] = ""
+    return AsyncEngineArgs(model=model, **kw)
+
+
+@attrs.define
+class OpenReplica:
+    name: str
+    llm: Any
+    engine: VllmEngine
+    agent: UpdateAgent
+    replica: VllmReplica
+
+
+@asynccontextmanager
+async def open_replica(
+    name: str,
+    model: str,
+    registry: Registry,
+    spec: PullSpec,
+    *,
+    sampling_params: Any = None,
+    pause_mode: PauseMode | str = PauseMode.ABORT,
+    min_version_lag: int = 1,
+    **engine_overrides: Any,
+) -> AsyncIterator[OpenReplica]:
+    """Start an `AsyncLLM` for `model` with its workers connected per `spec`, and an
+    update agent watching `registry` (the same registry, as this process reaches it).
+    Run `agent.run()` in your task group; the engine shuts down on exit."""
+    llm = await start_engine(engine_args(model, **engine_overrides))
+    engine = VllmEngine(llm)
+    try:
+        await engine.start(spec)
+        agent = UpdateAgent(name, registry, engine, pause_mode=pause_mode, min_version_lag=min_version_lag)
+        yield OpenReplica(name, llm, engine, agent, VllmReplica(name, llm, agent, sampling_params))
+    finally:
+        await shutdown(llm, engine)
+
+
+async def start_engine(args: Any) -> Any:
+    """An `AsyncLLM` for `args`. Its constructor blocks while the engine's processes start
+    (seconds): run in a thread, several engines start at once and the event loop goes on.
+    (It starts its asyncio tasks lazily, on the loop that first uses it.)"""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, args)
+
+
+async def shutdown(llm: Any, engine: VllmEngine | None = None) -> None:
+    """Stop the workers' pulls, then the engine, even when cancelled. vLLM's shutdown
+    blocks for seconds: it runs in a thread, so several engines stop at once."""
+    with anyio.CancelScope(shield=True):
+        if engine is not None:
+            with anyio.move_on_after(5):
+                try:
+                    await engine.stop()  # deregister the mirrors, end the pull thread
+                except Exception:  # noqa: S110 - the engine may be dead already
+                    pass
+        await anyio.to_thread.run_sync(llm.shutdown)

@@ -1,0 +1,137 @@
+"""A replica's two mirrors, and the thread that fills them while the engine generates.
+
+The model always has a last good version to fall back on: one mirror holds the version
+the engine serves, the other (the spare) takes the next one. A new version is pulled
+into the spare only, so a failed apply can reload the serving mirror, and a torn read
+lands in the spare and goes no further.
+
+Pulls run on an event loop of their own, in a background thread, because the engine's
+thread runs its own loop and must not wait on one: `BackgroundPulls` is the synchronous
+face that thread offers the engine. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import torch
+
+from weightpull.errors import InvalidArgumentError, PullError, WeightpullError
+from weightpull.puller import Pulled, Puller
+from weightpull.registry import Registry
+from weightpull.transport import Transport
+
+from ..torch_tensors import as_tensors
+
+
+class MirrorPair:
+    """Two pullers, each with its own registered mirror, sharing a registry and a
+    transport. `current` holds the version the engine serves; pulls go to the other."""
+
+    def __init__(self, registry: Registry, transport: Transport, *, holder: str, ttl: float = 10.0, **puller: Any) -> None:
+        self.pullers = [Puller(registry, transport, holder=holder, ttl=ttl, **puller) for _ in range(2)]
+        self.current: Pulled | None = None  # what the engine serves, from the mirror it lies in
+        self._spare = 0
+        self._lock: anyio.Lock | None = None  # made on the pulls' own loop
+
+    async def pull(self, version: int) -> Pulled:
+        """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable)."""
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:  # a cancelled pull unwinds before the next one writes the spare
+            return await self.pullers[self._spare].pull(version)
+
+    def promote(self, pulled: Pulled) -> None:
+        """`pulled` now serves: its mirror stops being the spare."""
+        index = next((i for i, p in enumerate(self.pullers) if p.mirror is pulled.region), None)
+        if index is None or self.pullers[index].mirror_version != pulled.version:
+            raise InvalidArgumentError(f"v{pulled.version} is no longer held by either mirror")
+        self.current = pulled
+        self._spare = 1 - index
+
+    async def aclose(self) -> None:
+        for puller in self.pullers:
+            await puller.aclose()
+
+
+def checkpoint_weights(pulled: Pulled) -> Iterator[tuple[str, torch.Tensor]]:
+    """The mirror's tensors, by their checkpoint names, as zero-copy views."""
+    yield from as_tensors(pulled.layout, pulled.region).items()
+
+
+def error_info(exc: BaseException) -> dict[str, str]:
+    """An error as plain data, to cross a process boundary."""
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+class BackgroundPulls:
+    """A `MirrorPair` on an event loop in its own thread, driven from a synchronous one.
+
+    `setup` runs on that loop and returns (registry, transport): a served registry's
+    client and a transport endpoint belong to the loop that made them."""
+
+    def __init__(self, setup: Callable[[], Awaitable[tuple[Registry, Transport]]], *, holder: str, ttl: float = 10.0) -> None:
+        self._stack = contextlib.ExitStack()
+        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
+        try:
+            registry, self._transport = self._portal.call(setup)
+            self.pair = MirrorPair(registry, self._transport, holder=holder, ttl=ttl)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._version: int | None = None  # the version of the pull below
+        self._future: concurrent.futures.Future[Pulled] | None = None
+
+    def prefetch(self, version: int) -> None:
+        """Start pulling `version` into the spare mirror and return at once. Asking again
+        for the version under way (or already pulled) does nothing."""
+        if self._future is not None:
+            if self._version == version and not (self._future.done() and self._future.exception()):
+                return
+            self._future.cancel()  # another version: the spare is rewritten from scratch
+            concurrent.futures.wait([self._future])
+        self._version = version
+        self._future = self._portal.start_task_soon(self.pair.pull, version)
+
+    def status(self) -> dict[str, Any]:
+        """What the background pull has come to, as plain data."""
+        future, pulled, error = self._future, None, None
+        if future is not None and future.done():
+            if future.cancelled():
+                error = {"type": "PullError", "message": f"the pull of v{self._version} was cancelled"}
+            elif future.exception() is not None:
+                error = error_info(future.exception())  # type: ignore[arg-type]
+            else:
+                pulled = future.result().version
+        return {
+            "pending": self._version if future is not None and not future.done() else None,
+            "pulled": pulled,
+            "error": error,
+            "serving": self.pair.current.version if self.pair.current else None,
+        }
+
+    def take(self, version: int, timeout: float | None = None) -> Pulled:
+        """The verified copy of `version`, once its pull has finished (blocking)."""
+        if self._future is None or self._version != version:
+            raise PullError(f"v{version} was never prefetched (last prefetch: v{self._version})")
+        try:
+            pulled = self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise PullError(f"the pull of v{version} did not finish within {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            raise PullError(f"the pull of v{version} was cancelled") from None
+        self._future, self._version = None, None
+        return pulled
+
+    def close(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+        with contextlib.suppress(WeightpullError):
+            self._portal.call(self.pair.aclose)
+            self._portal.call(self._transport.aclose)
+        self._stack.close()

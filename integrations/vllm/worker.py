@@ -1,0 +1,140 @@
+"""The worker side: a vLLM worker extension that pulls into mirrors and applies them.
+
+Pass `worker_extension_cls=WORKER_EXTENSION` to the engine. vLLM resolves that name in
+each worker process and mixes the class into its worker, so the methods below become
+`collective_rpc` targets and run on the worker's own thread, between engine steps.
+Everything crossing `collective_rpc` is plain data (versions, dicts, error text): when
+the engine runs in its own process, tensors would arrive as lists.
+
+- `weightpull_start(spec)`: connect to the registry, open the transport, register the
+  two mirrors (see `mirrors.py`); pulls then run on a thread of their own.
+- `weightpull_prefetch(v)`: start pulling `v` into the spare mirror; returns at once.
+- `weightpull_status()`: how that pull stands.
+- `weightpull_apply(v)`: load the mirror through the worker's `reload_weights` (the
+  checkpoint-format path, which also repacks weights for the CPU backend's kernels). If
+  that fails partway, reload the last good version (its mirror, or the checkpoint the
+  engine started from) and report the failure: the model never keeps a mix.
+- `weightpull_commit(v)` once every worker applied `v`; else `weightpull_revert()` on all,
+  so tensor-parallel workers never end on different versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from weightpull.puller import Pulled
+
+from .mirrors import BackgroundPulls, checkpoint_weights, error_info
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "weightpull.integrations.vllm.worker.WeightpullWorker"
+CHECKPOINT = "checkpoint"  # the last good version, before any was applied
+
+
+def _setup(spec: dict[str, Any]):  # noqa: ANN202 - an async factory for BackgroundPulls
+    async def setup():  # noqa: ANN202
+        from weightpull.registry import connect_registry
+        from weightpull.transports import create_transport
+
+        registry = connect_registry(spec["registry"], **spec.get("registry_options", {}))
+        transport = create_transport(spec["transport"], **spec.get("transport_options", {}))
+        if spec.get("faults"):  # injected on purpose (tests, the demo's torn read)
+            from weightpull.drivers.faulty import Faults, FaultyTransport
+
+            transport = FaultyTransport(transport, Faults(**spec["faults"]))
+        return registry, transport
+
+    return setup
+
+
+class WeightpullWorker:
+    """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...)."""
+
+    _weightpull: BackgroundPulls | None = None
+    _weightpull_applied: Pulled | None = None  # loaded, not yet committed
+
+    def weightpull_start(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """`spec` is a `PullSpec` as a dict: the registry's address, the transport's
+        driver name, the lease holder's name, and optional settings."""
+        if self._weightpull is not None:
+            self._weightpull.close()
+        self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0))
+        return self.weightpull_status()
+
+    def weightpull_prefetch(self, version: int) -> dict[str, Any]:
+        self._weightpull_pulls().prefetch(version)
+        return self.weightpull_status()
+
+    def weightpull_status(self) -> dict[str, Any]:
+        return self._weightpull_pulls().status()
+
+    def weightpull_apply(self, version: int, timeout: float | None = None) -> dict[str, Any]:
+        """Load the mirrored `version` into the model; on failure, the last good one."""
+        pulls = self._weightpull_pulls()
+        started = time.perf_counter()
+        try:
+            pulled = pulls.take(version, timeout)
+        except Exception as exc:  # nothing was touched: the model still serves its version
+            return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_serving()}
+        try:
+            self._weightpull_load(pulled)
+        except Exception as exc:
+            log.error("applying v%s failed partway (%r); restoring the last good version", version, exc)
+            return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_restore()}
+        self._weightpull_applied = pulled
+        return {"ok": True, "version": version, "seconds": time.perf_counter() - started}
+
+    def weightpull_commit(self, version: int) -> None:
+        """Every worker applied `version`: it is now the last good one."""
+        pulled, self._weightpull_applied = self._weightpull_applied, None
+        if pulled is None or pulled.version != version:
+            raise RuntimeError(f"v{version} was not applied on this worker")
+        self._weightpull_pulls().pair.promote(pulled)
+
+    def weightpull_revert(self) -> int | str | None:
+        """Another worker failed to apply: load the last good version here too."""
+        self._weightpull_applied = None
+        return self._weightpull_restore()
+
+    def weightpull_stop(self) -> None:
+        if self._weightpull is not None:
+            self._weightpull.close()
+            self._weightpull = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _weightpull_pulls(self) -> BackgroundPulls:
+        if self._weightpull is None:
+            raise RuntimeError("weightpull_start was not called on this worker")
+        return self._weightpull
+
+    def _weightpull_serving(self) -> int | str:
+        current = self._weightpull_pulls().pair.current
+        return CHECKPOINT if current is None else current.version
+
+    def _weightpull_load(self, pulled: Pulled | None) -> None:
+        """Checkpoint-format reload: from a mirror, or (None) from the model's own files."""
+        weights = None if pulled is None else checkpoint_weights(pulled)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+
+    def _weightpull_restore(self) -> int | str | None:
+        """Undo a partial load: finish vLLM's layerwise reload (a failed one leaves layers
+        half loaded), then reload the last good version whole. None if that fails too.
+        (Finishing a reload that had completed does nothing.)"""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        try:
+            finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        except Exception as exc:  # the full reload below still overwrites every weight
+            log.warning("finishing the failed reload raised %r", exc)
+        current = self._weightpull_pulls().pair.current
+        try:
+            self._weightpull_load(current)
+        except Exception:
+            log.exception("restoring the last good version failed: this replica must not serve")
+            return None
+        return CHECKPOINT if current is None else current.version

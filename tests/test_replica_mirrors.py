@@ -1,0 +1,68 @@
+"""The worker side's mirrors and background pulls, without vLLM: a pulled version lands
+in the spare mirror only, and a torn pull is never handed on."""
+
+import time
+
+import anyio
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.conftest import host_tensors  # noqa: E402
+from weightpull import InProcessRegistry, Publisher  # noqa: E402
+from weightpull.drivers.fake import FakeTransport  # noqa: E402
+from weightpull.errors import TornReadError  # noqa: E402
+from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+
+def settle(pulls: BackgroundPulls) -> dict:
+    for _ in range(500):
+        status = pulls.status()
+        if status["pending"] is None:
+            return status
+        time.sleep(0.01)
+    raise AssertionError(f"the pull did not finish: {status}")
+
+
+def as_bytes(pulled) -> dict[str, bytes]:
+    return {name: bytes(t.numpy().tobytes()) for name, t in checkpoint_weights(pulled)}
+
+
+async def test_versions_alternate_between_two_mirrors_and_a_torn_pull_goes_no_further():
+    registry = InProcessRegistry()
+    publisher = Publisher(registry, FakeTransport(), rollout_dtype=None, bucket_bytes=2048)
+    reader = FakeTransport()
+
+    async def setup():
+        return registry, reader
+
+    pulls = await anyio.to_thread.run_sync(lambda: BackgroundPulls(setup, holder="r0", ttl=0.5))
+    try:
+        await publisher.publish(1, host_tensors(1))
+        pulls.prefetch(1)
+        pulls.prefetch(1)  # asking again for the pull under way does nothing
+        assert (await anyio.to_thread.run_sync(settle, pulls))["pulled"] == 1
+        first = pulls.take(1)
+        pulls.pair.promote(first)
+        assert as_bytes(first) == {n: t.data for n, t in host_tensors(1).items()}
+
+        await publisher.publish(2, host_tensors(2))
+        reader.faults.tear_reads, reader.faults.freeze = 1, 1.0  # frozen past the lease
+        pulls.prefetch(2)
+        status = await anyio.to_thread.run_sync(settle, pulls)
+        assert status["error"]["type"] == "TornReadError" and status["serving"] == 1
+        with pytest.raises(TornReadError):
+            pulls.take(2)
+
+        pulls.prefetch(2)  # again: a failed pull is retried
+        assert (await anyio.to_thread.run_sync(settle, pulls))["pulled"] == 2
+        second = pulls.take(2)
+        assert second.region is not first.region  # the spare: the serving copy is intact
+        assert as_bytes(first) == {n: t.data for n, t in host_tensors(1).items()}
+        assert as_bytes(second) == {n: t.data for n, t in host_tensors(2).items()}
+        pulls.pair.promote(second)
+        assert pulls.status()["serving"] == 2
+    finally:
+        await anyio.to_thread.run_sync(pulls.close)
