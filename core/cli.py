@@ -44,6 +44,27 @@ def _drivers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, _options, parse_size, run_bench, summary_lines
+    from .errors import WeightpullError
+
+    def say(line: str) -> None:
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+    try:
+        cfg = BenchConfig(transport=args.transport, size=parse_size(args.size), repeat=args.repeat,
+                          bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
+                          options=_options(args.option))
+        result = anyio.run(run_bench, cfg, say)
+    except WeightpullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(summary_lines(result)), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["byte_exact"] else 1
+
+
 def _address(args: argparse.Namespace) -> str | None:
     from .registry import REGISTRY_ENV
 
@@ -184,6 +205,23 @@ def parser() -> argparse.ArgumentParser:
     drivers = sub.add_parser("drivers", help="list transport drivers, and whether each loads here")
     drivers.add_argument("--json", action="store_true", help="print the list as JSON")
     drivers.set_defaults(func=_drivers)
+
+    pull_bench = sub.add_parser("bench", help="pull bandwidth against the transport's raw read and the machine's copy limit",
+                                description="Publish one version of SIZE bytes and pull it REPEAT times, timing each pull against the "
+                                "transport's own raw read of the same bytes and the copy limit measured in the same run (memcpy, or the "
+                                "GPU copy between the same kinds of memory). The publisher runs in its own process, except for fake. "
+                                "Every pulled copy is checked byte-exact; exits 1 if one is not. GB/s are 10^9 bytes/s.")
+    pull_bench.add_argument("--transport", default="fake", help="transport driver (default: fake)")
+    pull_bench.add_argument("--size", default="1G", help="bytes per version: 256M, 1G, ... (default: 1G)")
+    pull_bench.add_argument("--repeat", type=int, default=5, help="timed pulls, after one to warm up (default: 5)")
+    pull_bench.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
+    pull_bench.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
+    pull_bench.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",
+                            help="the puller's mirror: host memory, GPU memory read into directly, or GPU memory "
+                            "through a pinned host shadow (HostStaged) (default: cpu)")
+    pull_bench.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a transport option, e.g. threads=4")
+    pull_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    pull_bench.set_defaults(func=_bench)
 
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ, or benchmark a served one")
     rsub = registry.add_subparsers(dest="registry_command", required=True)

@@ -219,6 +219,12 @@ class Publisher:
 
         return await anyio.to_thread.run_sync(digest_all)
 
+    async def serve(self) -> None:
+        """Run beside the trainer (`tg.start_soon(publisher.serve)`) for as long as replicas
+        may read: some transports complete a peer's read only while its owner makes
+        progress. Returns at once for transports that need none."""
+        await self.transport.serve()
+
     async def aclose(self) -> None:
         """Deregister every slot. Versions already announced stop being readable."""
         for slot in self.slots:

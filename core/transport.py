@@ -85,6 +85,11 @@ class Transport(ABC):
     ) -> None:
         """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
 
+    async def serve(self) -> None:  # noqa: B027 - optional hook
+        """Help peers' reads of this endpoint's memory along, until cancelled. Drivers whose
+        reads need the owner's own progress (NIXL's first connection, GPU memory over tcp)
+        loop here; the default has nothing to do and returns at once."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release every registration and connection."""
 

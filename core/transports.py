@@ -39,6 +39,7 @@ class DriverInfo:
 
 BUILTIN: dict[str, DriverEntry] = {
     "fake": DriverEntry("fake", "weightpull.drivers.fake:FakeTransport"),
+    "nixl": DriverEntry("nixl", "weightpull.drivers.nixl:NixlTransport", extra="nixl"),
 }
 
 _registered: dict[str, DriverEntry] = {}

@@ -1,0 +1,373 @@
+"""`weightpull bench`: pull bandwidth against limits measured in the same run.
+
+A publisher publishes one version of `size` bytes; a puller pulls it `repeat` times. Each
+round also times the transport's own raw read of the same bytes without weightpull (a
+driver offers one as `raw_reader`; for `fake`, raw is a memcpy), interleaved with the
+pulls so that drift hits both alike. The limit is an in-process memcpy, or, when a GPU is
+involved, that machine's copy between the same two kinds of memory.
+
+The publisher runs in a process of its own, as it does in deployment, except for drivers
+that live in one process (`fake`). Every pulled copy is checked byte for byte against a
+digest of the bytes meant to be published, made apart from weightpull.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import multiprocessing
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import attrs
+
+from .errors import InvalidArgumentError
+from .layout import DEFAULT_BUCKET_BYTES
+from .manifest import Manifest
+from .publisher import Publisher
+from .puller import Pulled, Puller
+from .registry import InProcessRegistry
+from .tensors import HostTensor
+from .transports import create_transport, transport_class
+
+IN_PROCESS_DRIVERS = frozenset({"fake"})  # drivers whose peers share one process
+TENSOR_BYTES = 16 << 20  # the synthetic model's largest tensor: four to a default bucket
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1G', '256M', '512MiB', '4096' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m or int(m.group(1)) <= 0:
+        raise InvalidArgumentError(f"size must be a positive number of bytes like 256M or 1G, got {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _options(pairs: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidArgumentError(f"transport options are KEY=VALUE, got {pair!r}")
+        out[key] = _scalar(value)
+    return out
+
+
+def _scalar(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+@attrs.frozen
+class BenchConfig:
+    transport: str = "fake"
+    size: int = 1 << 30
+    repeat: int = 5
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    slot: str = "cpu"  # the publisher's slot: cpu, or cuda
+    mirror: str = "cpu"  # cpu; cuda (the transport reads into GPU memory); staged (see HostStaged)
+    options: dict[str, Any] = attrs.Factory(dict)  # keyword arguments for the transport
+
+    def check(self) -> None:
+        if self.size <= 0 or self.repeat < 1 or self.bucket_bytes <= 0:
+            raise InvalidArgumentError("size, repeat and bucket size must be positive")
+        if self.slot not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"slot must be cpu or cuda, got {self.slot!r}")
+        if self.mirror not in ("cpu", "cuda", "staged"):
+            raise InvalidArgumentError(f"mirror must be cpu, cuda or staged, got {self.mirror!r}")
+
+
+# -- the bytes published --------------------------------------------------------------------
+
+
+def content(nbytes: int) -> bytearray:
+    """Random bytes, each MiB stamped with its index, so a misplaced bucket shows."""
+    block = os.urandom(min(nbytes, 1 << 20))
+    data = bytearray(block * (nbytes // len(block)) + block[: nbytes % len(block)])
+    for i in range(0, nbytes - 8, 1 << 20):
+        data[i : i + 8] = (i >> 20).to_bytes(8, "little")
+    return data
+
+
+def digest(data: Any) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _tensors(cfg: BenchConfig, data: bytearray) -> dict[str, Any]:
+    view = memoryview(data)
+    step = max(256, min(TENSOR_BYTES, cfg.bucket_bytes // 4) // 256 * 256)  # aligned: no padding
+    spans = [(off, min(step, cfg.size - off)) for off in range(0, cfg.size, step)]
+    if cfg.slot == "cpu":
+        return {f"t{i}": HostTensor("uint8", (n,), view[off : off + n]) for i, (off, n) in enumerate(spans)}
+    import torch
+
+    whole = torch.frombuffer(data, dtype=torch.uint8).to(cfg.slot)
+    return {f"t{i}": whole[off : off + n] for i, (off, n) in enumerate(spans)}
+
+
+async def _publish(cfg: BenchConfig) -> tuple[Publisher, Manifest, str]:
+    data = content(cfg.size)
+    publisher = Publisher(
+        InProcessRegistry(), create_transport(cfg.transport, **cfg.options), rollout_dtype=None,
+        bucket_bytes=cfg.bucket_bytes, device=cfg.slot, name=f"bench-publisher-{os.getpid()}",
+    )
+    result = await publisher.publish(1, _tensors(cfg, data))
+    assert result.manifest is not None and result.manifest.nbytes == cfg.size
+    return publisher, result.manifest, digest(data)
+
+
+async def _serve_publisher(conn: Any, cfg: BenchConfig) -> None:
+    try:
+        publisher, manifest, want = await _publish(cfg)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", manifest.to_dict(), want))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(publisher.serve)  # the owner's progress, which some reads need
+        await anyio.to_thread.run_sync(conn.recv)  # until told to stop
+        tg.cancel_scope.cancel()
+    await publisher.aclose()
+    await publisher.transport.aclose()
+
+
+def publisher_process(conn: Any, cfg: dict[str, Any]) -> None:
+    anyio.run(_serve_publisher, conn, BenchConfig(**cfg))
+
+
+class _PublisherProcess:
+    def __init__(self, cfg: BenchConfig) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=publisher_process, args=(child, attrs.asdict(cfg)), daemon=True)
+        self.process.start()
+        child.close()
+
+    def ready(self) -> tuple[Manifest, str]:
+        try:
+            status, *rest = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the publisher process died (exit code {self.process.exitcode})") from None
+        if status != "ready":
+            raise RuntimeError(f"the publisher process failed: {rest[0]}")
+        return Manifest.from_dict(rest[0]), rest[1]
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+        except OSError:
+            pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+# -- limits and raw reads ---------------------------------------------------------------------
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
+
+
+class _Memcpy:
+    """A plain in-process memcpy of `src` into a buffer of our own."""
+
+    def __init__(self, src: memoryview) -> None:
+        self.src, self.dst = src, mmap.mmap(-1, len(src))
+        self.dst_view = memoryview(self.dst)
+
+    def read(self) -> float:
+        start = time.perf_counter()
+        ctypes.memmove(_address(self.dst_view), _address(self.src), len(self.src))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.dst_view.release()
+
+
+def _memcpy_seconds(cfg: BenchConfig) -> list[float]:
+    src = memoryview(mmap.mmap(-1, cfg.size))
+    ctypes.memset(_address(src), 1, cfg.size)  # untouched pages all map one zero page: too fast
+    memcpy = _Memcpy(src)
+    try:
+        return _best_of(memcpy.read, cfg.repeat)
+    finally:
+        memcpy.close()
+
+
+def _device_copy_seconds(cfg: BenchConfig) -> tuple[str, list[float]]:
+    """The machine's own copy between the kinds of memory this pull joins."""
+    import torch
+
+    def empty(where: str) -> Any:
+        return torch.empty(cfg.size, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu",
+                           pin_memory=where != "cuda")
+
+    dst_kind = "cpu" if cfg.mirror == "cpu" else "cuda"  # staged ends on the GPU too
+    src, dst = empty(cfg.slot), empty(dst_kind)
+    names = {"cpu": "pinned host", "cuda": "GPU"}
+    what = f"{names[cfg.slot]}->{names[dst_kind]} copy"
+
+    def copy() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return what, _best_of(copy, cfg.repeat)
+
+
+def _best_of(fn: Callable[[], float], repeat: int) -> list[float]:
+    fn()  # warm: page faults, first-touch, CUDA's lazy start
+    return [fn() for _ in range(repeat)]
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _mirror_digest(pulled: Pulled, nbytes: int) -> str:
+    if pulled.region.view is not None:
+        return digest(pulled.region.host_view()[:nbytes])
+    return digest(pulled.region.memory[:nbytes].cpu().numpy().tobytes())
+
+
+async def _to_device_seconds(staged: Any, pulled: Pulled) -> float:
+    """HostStaged's copy leg alone: every bucket from the pinned shadow to the GPU."""
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for b in pulled.layout.buckets:
+            tg.start_soon(staged.to_device, pulled.region, b.offset, b.nbytes)
+    return time.perf_counter() - start
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return round(nbytes / statistics.median(seconds) / 1e9, 3)
+
+
+async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    cfg.check()
+    cls = transport_class(cfg.transport)  # fails early, naming the missing extra
+    gpu = cfg.slot != "cpu" or cfg.mirror != "cpu"
+    in_process = cfg.transport in IN_PROCESS_DRIVERS
+    if in_process and gpu:
+        raise InvalidArgumentError(f"the {cfg.transport} transport holds host memory only")
+
+    say(f"measuring the limits for {cfg.size / 2**20:.0f} MiB")
+    memcpy_s = await anyio.to_thread.run_sync(_memcpy_seconds, cfg)
+    limit_name, limit_s = "in-process memcpy", memcpy_s
+    if gpu:
+        limit_name, limit_s = await anyio.to_thread.run_sync(_device_copy_seconds, cfg)
+
+    say(f"publishing {cfg.size / 2**20:.0f} MiB over {cfg.transport} "
+        f"({'in this process' if in_process else 'from a publisher process'}; slot on {cfg.slot})")
+    publisher_proc = None
+    if in_process:
+        publisher, manifest, want = await _publish(cfg)
+        slot_region = publisher.slots[manifest.slot].region
+        assert slot_region is not None
+        raw: Any = _Memcpy(slot_region.host_view())
+        raw_name = "memcpy of the slot"
+    else:
+        publisher_proc = _PublisherProcess(cfg)
+        manifest, want = await anyio.to_thread.run_sync(publisher_proc.ready)
+        raw, raw_name = None, "none offered by the driver"
+    try:
+        if not in_process and hasattr(cls, "raw_reader"):  # staged: the host-to-host leg alone
+            raw = cls.raw_reader(manifest.source, device="cuda" if cfg.mirror == "cuda" else "cpu",
+                                 pinned=cfg.mirror == "staged")
+            raw_name = f"{cfg.transport}'s own read"
+        registry = InProcessRegistry()  # the manifest as a served registry would hand it over
+        await registry.begin(1, publisher=manifest.publisher, slot=manifest.slot)
+        await registry.commit(manifest)
+        transport = create_transport(cfg.transport, **cfg.options)
+        if cfg.mirror == "staged":
+            from weightpull.integrations.torch_staging import HostStaged
+
+            transport = HostStaged(transport)
+        puller = Puller(registry, transport, device="cpu" if cfg.mirror == "cpu" else "cuda", ttl=60.0)
+
+        pull_s: list[float] = []
+        raw_s: list[float] = []
+        pulled = await puller.pull()  # warm: mirror, connection, prepared transfers
+        if raw:
+            await anyio.to_thread.run_sync(raw.read)
+        for i in range(cfg.repeat):
+            if raw:
+                raw_s.append(await anyio.to_thread.run_sync(raw.read))
+            start = time.perf_counter()
+            pulled = await puller.pull()
+            pull_s.append(time.perf_counter() - start)
+            say(f"round {i + 1}/{cfg.repeat}: pull {cfg.size / pull_s[-1] / 1e9:.2f} GB/s"
+                + (f", raw {cfg.size / raw_s[-1] / 1e9:.2f} GB/s" if raw_s else ""))
+        exact = await anyio.to_thread.run_sync(_mirror_digest, pulled, cfg.size) == want
+        h2d_s = [await _to_device_seconds(transport, pulled) for _ in range(cfg.repeat)] if cfg.mirror == "staged" else []
+        await puller.aclose()
+        await transport.aclose()
+        if raw:
+            raw.close()
+    finally:
+        if publisher_proc is not None:
+            await anyio.to_thread.run_sync(publisher_proc.stop)
+        else:
+            await publisher.aclose()
+            await publisher.transport.aclose()
+
+    pull_gbps = _gbps(cfg.size, pull_s)
+    raw_gbps = _gbps(cfg.size, raw_s) if raw_s else None
+    limit_gbps = _gbps(cfg.size, limit_s)
+    return {
+        "transport": cfg.transport,
+        "size_bytes": cfg.size,
+        "bucket_bytes": cfg.bucket_bytes,
+        "buckets": len(manifest.layout.buckets),
+        "repeat": cfg.repeat,
+        "slot": cfg.slot,
+        "mirror": cfg.mirror,
+        "options": cfg.options,
+        "publisher_process": not in_process,
+        "pull_gbps": pull_gbps,
+        "raw_gbps": raw_gbps,
+        "raw": raw_name,
+        "limit_gbps": limit_gbps,
+        "limit": limit_name,
+        "memcpy_gbps": _gbps(cfg.size, memcpy_s),
+        "to_device_gbps": _gbps(cfg.size, h2d_s) if h2d_s else None,
+        "ratio_to_raw": round(pull_gbps / raw_gbps, 3) if raw_gbps else None,
+        "ratio_to_limit": round(pull_gbps / limit_gbps, 3),
+        "pull_s": [round(s, 5) for s in pull_s],
+        "raw_s": [round(s, 5) for s in raw_s],
+        "byte_exact": exact,
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, Python {sys.version.split()[0]}",
+    }
+
+
+def summary_lines(r: dict[str, Any]) -> list[str]:
+    def g(x: float | None) -> str:
+        return "   -   " if x is None else f"{x:7.2f}"
+
+    where = "a publisher process" if r["publisher_process"] else "this process"
+    lines = [
+        f"{r['transport']}: {r['size_bytes'] / 2**20:.0f} MiB in {r['buckets']} buckets from {where} "
+        f"(slot on {r['slot']}, mirror {r['mirror']}); medians of {r['repeat']}, GB/s = 10^9 B/s",
+        f"  pull   {g(r['pull_gbps'])} GB/s  weightpull: lease, every bucket, lease check",
+        f"  raw    {g(r['raw_gbps'])} GB/s  {r['raw']}, the same bytes without weightpull",
+        f"  limit  {g(r['limit_gbps'])} GB/s  {r['limit']}",
+        *([f"  to GPU {g(r['to_device_gbps'])} GB/s  HostStaged's bucket-by-bucket copy leg alone"] if r["to_device_gbps"] else []),
+        f"  pull/raw {r['ratio_to_raw'] if r['ratio_to_raw'] is not None else '-'}, "
+        f"pull/limit {r['ratio_to_limit']}, byte-exact: {'yes' if r['byte_exact'] else 'NO'}",
+    ]
+    return lines

@@ -1,0 +1,184 @@
+"""What the conformance suite needs of each driver: a local endpoint, a peer that
+registers and exports memory (in a process of its own wherever the driver crosses
+processes), and a way to ask the driver's library whether it still holds a region.
+
+A new driver joins the suite with one entry in `KITS`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import anyio
+import attrs
+
+from weightpull import Region, Transport, create_transport
+from weightpull.drivers.fake import FakeFabric, FakeTransport
+
+
+def pattern(nbytes: int, seed: int) -> bytes:
+    """The bytes a peer's region holds: distinct for every seed and every offset."""
+    return random.Random(seed).randbytes(nbytes)
+
+
+class Peer(Protocol):
+    async def alloc(self, nbytes: int, seed: int) -> bytes:
+        """Register `nbytes` holding `pattern(nbytes, seed)`; return their descriptor."""
+
+    async def fill(self, descriptor: bytes, seed: int) -> None:
+        """Rewrite a region `alloc` made with `pattern(len, seed)`."""
+
+    async def exit(self) -> None:
+        """Close the peer's transport and, for a process, end the process."""
+
+
+class InProcessPeer:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.regions: dict[bytes, Region] = {}
+
+    async def alloc(self, nbytes: int, seed: int) -> bytes:
+        region = self.transport.allocate(nbytes)
+        region.host_view()[:] = pattern(nbytes, seed)
+        descriptor = self.transport.export(region)
+        self.regions[descriptor] = region
+        return descriptor
+
+    async def fill(self, descriptor: bytes, seed: int) -> None:
+        region = self.regions[descriptor]
+        region.host_view()[:] = pattern(region.nbytes, seed)
+
+    async def exit(self) -> None:
+        await self.transport.aclose()
+
+    def close(self) -> None:
+        pass
+
+
+async def _peer_loop(conn: Any, driver: str) -> None:
+    transport = create_transport(driver)
+    peer = InProcessPeer(transport)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(transport.serve)  # the owner's progress, as a publisher runs it
+        while True:
+            command, *args = await anyio.to_thread.run_sync(conn.recv)
+            if command == "exit":
+                break
+            try:
+                conn.send(("ok", await getattr(peer, command)(*args)))
+            except Exception as exc:  # report it; the test decides
+                conn.send(("error", repr(exc)))
+        tg.cancel_scope.cancel()
+    await transport.aclose()
+    conn.send(("ok", None))
+
+
+def peer_main(conn: Any, driver: str) -> None:
+    anyio.run(_peer_loop, conn, driver)
+
+
+class ProcessPeer:
+    """A peer in a process of its own, driven over a pipe; it runs `serve()` throughout."""
+
+    def __init__(self, driver: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=peer_main, args=(child, driver), daemon=True)
+        self.process.start()
+        child.close()
+
+    def _call(self, *command: Any) -> Any:
+        self.conn.send(command)
+        if not self.conn.poll(60):
+            raise TimeoutError(f"peer process did not answer {command[0]!r}")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer process failed {command[0]!r}: {value}")
+        return value
+
+    async def alloc(self, nbytes: int, seed: int) -> bytes:
+        return await anyio.to_thread.run_sync(self._call, "alloc", nbytes, seed)
+
+    async def fill(self, descriptor: bytes, seed: int) -> None:
+        await anyio.to_thread.run_sync(self._call, "fill", descriptor, seed)
+
+    async def exit(self) -> None:
+        await anyio.to_thread.run_sync(self._call, "exit")
+        await anyio.to_thread.run_sync(self.process.join, 30)
+        assert self.process.exitcode == 0, f"peer process exited with {self.process.exitcode}"
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _widen(length_key: str) -> Callable[[bytes, int], bytes]:
+    """A descriptor claiming `extra` bytes past what was registered (both drivers' are JSON)."""
+
+    def widen(descriptor: bytes, extra: int) -> bytes:
+        d = json.loads(descriptor)
+        d[length_key] += extra
+        return json.dumps(d).encode()
+
+    return widen
+
+
+def _nixl_holds(transport: Any, region: Region) -> bool:
+    """Ask NIXL itself: preparing a list over the region fails once it is deregistered."""
+    reg = region.handle
+    try:
+        handle = transport.agent.prep_xfer_dlist("", [(reg.addr, region.nbytes, reg.dev)], reg.mem)
+    except Exception as exc:
+        if type(exc).__name__ == "nixlNotFoundError":
+            return False
+        raise
+    handle.release()
+    return True
+
+
+@attrs.define
+class Kit:
+    name: str
+    new_transport: Callable[[], Transport]
+    new_peer: Callable[[], InProcessPeer | ProcessPeer]
+    holds: Callable[[Any, Region], bool]  # the driver's library still holds the region
+    widen: Callable[[bytes, int], bytes]
+    shared: Any = None  # a peer the module's tests share
+
+    def shared_peer(self) -> Any:
+        if self.shared is None:
+            self.shared = self.new_peer()
+        return self.shared
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+
+
+def fake_kit() -> Kit:
+    fabric = FakeFabric()
+    return Kit(
+        "fake",
+        lambda: FakeTransport(fabric=fabric),
+        lambda: InProcessPeer(FakeTransport(fabric=fabric)),
+        lambda t, region: region.handle in t.fabric.regions,
+        _widen("nbytes"),
+    )
+
+
+def nixl_kit() -> Kit:
+    return Kit(
+        "nixl",
+        lambda: create_transport("nixl"),
+        lambda: ProcessPeer("nixl"),
+        _nixl_holds,
+        _widen("len"),
+    )
+
+
+KITS: dict[str, Callable[[], Kit]] = {"fake": fake_kit, "nixl": nixl_kit}
