@@ -100,13 +100,22 @@ class Puller:
         self.layout_changes = 0
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._remotes: OrderedDict[bytes, Remote] = OrderedDict()
+        self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
 
     async def pull(self, version: int | None = None) -> Pulled:
         """Copy the newest READY version (or `version`, if READY) into the mirror.
 
         Raises `TornReadError` if the lease lapsed during the read, `DigestMismatchError`
         if the publisher recorded digests and a bucket disagrees, or the transport's error
-        after cancelling the other reads. The lease is released on every path."""
+        after cancelling the other reads. The lease is released on every path. Pulls
+        run one at a time (a prefetch and a forced load may overlap): two at once would
+        write the one mirror together and hand on a mix."""
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            return await self._pull(version)
+
+    async def _pull(self, version: int | None) -> Pulled:
         started = self.clock.now()
         lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
         try:

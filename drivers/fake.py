@@ -4,7 +4,8 @@ Every `FakeTransport` of a process attaches to a shared `FakeFabric`, so a publi
 its pullers in one process read each other's regions as real peers would. The knobs in
 `FakeFaults` inject what real transports do: latency, a slow reader, failed reads, and a
 torn read, where the reader freezes past any lease while the publisher's next write
-lands in the middle of the copy.
+lands in the middle of the copy. They are `weightpull.drivers.faulty.Faults`, applied
+by the same code that `FaultyTransport` wraps around any other driver.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
-import time
 import uuid
 import weakref
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-import attrs
 
 from weightpull.clock import Clock, FakeClock, MonotonicClock
+from weightpull.drivers.faulty import CHUNK, FaultInjector, Faults
 from weightpull.errors import (
     InvalidArgumentError,
     PeerGoneError,
@@ -30,7 +30,6 @@ from weightpull.errors import (
 )
 from weightpull.transport import Region, Remote, Transport, check_span
 
-_CHUNK = 16 << 20  # copy in chunks, yielding between them, so reads stay cancellable
 _fabrics: weakref.WeakValueDictionary[str, FakeFabric] = weakref.WeakValueDictionary()
 
 
@@ -63,16 +62,7 @@ class FakeFabric:
         return next(self._ids)
 
 
-@attrs.define
-class FakeFaults:
-    """Faults a test or the demo turns on, live. Counters count down as they fire."""
-
-    delay: float = 0.0  # seconds added to every read, on the transport's clock
-    bandwidth: float | None = None  # bytes per second over all of a reader's reads
-    fail_reads: int = 0  # the next N reads fail halfway with TransportError
-    tear_reads: int = 0  # the next N reads are torn (see `freeze`)
-    freeze: float = 0.0  # at a torn read, the reader stalls this long mid-copy
-    reads: int = 0  # reads started, for tests and the demo's report
+FakeFaults = Faults  # the fake's knobs: the faults any driver can be wrapped in
 
 
 class FakeTransport(Transport):
@@ -95,7 +85,7 @@ class FakeTransport(Transport):
         self.id = uuid.uuid4().hex
         self._mine: dict[int, Region] = {}
         self._closed = False
-        self._link_free_at = 0.0
+        self._injector = FaultInjector(self.clock)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -153,48 +143,23 @@ class FakeTransport(Transport):
         check_span("remote", remote_offset, nbytes, source.nbytes)
         check_span("local", local_offset, nbytes, local.nbytes)
 
-        faults = self.faults
-        faults.reads += 1
-        if faults.delay:
-            await self.clock.sleep(faults.delay)
         src = source.host_view()[remote_offset : remote_offset + nbytes]
         dst = local.host_view()[local_offset : local_offset + nbytes]
-        half = nbytes // 2
-        if faults.fail_reads > 0:
-            faults.fail_reads -= 1
-            await self._copy(src[:half], dst[:half])
-            raise TransportError(f"injected failure after {half} of {nbytes} bytes")
-        if faults.tear_reads > 0:
-            faults.tear_reads -= 1
-            await self._copy(src[:half], dst[:half])
-            self._freeze(faults.freeze)
-            await self._copy(src[half:], dst[half:])
-            # The publisher's next write landed while we stood still: the rest differs.
-            torn = dst[half : half + 64]
-            torn[:] = bytes(b ^ 0xFF for b in torn)
-            return
-        await self._copy(src, dst)
+
+        async def copy(start: int, stop: int) -> None:
+            await self._copy(src[start:stop], dst[start:stop])
+
+        await self._injector.read(self.faults, nbytes, copy, dst)
 
     async def _copy(self, src: memoryview, dst: memoryview) -> None:
-        for start in range(0, len(src), _CHUNK):
-            n = min(_CHUNK, len(src) - start)
+        """Copy in chunks, yielding between them, so reads stay cancellable."""
+        for start in range(0, len(src), CHUNK):
+            n = min(CHUNK, len(src) - start)
             if self.offload:
                 await anyio.to_thread.run_sync(_memmove, dst[start : start + n], src[start : start + n])
             else:
                 dst[start : start + n] = src[start : start + n]
-            if self.faults.bandwidth:  # one link per transport: concurrent reads share it
-                now = self.clock.now()
-                self._link_free_at = max(now, self._link_free_at) + n / self.faults.bandwidth
-                await self.clock.sleep(self._link_free_at - now)
-            elif not self.offload:
                 await anyio.lowlevel.checkpoint()
-
-    def _freeze(self, seconds: float) -> None:
-        """Stand still without yielding, as a stopped process does: no renewal runs."""
-        if isinstance(self.clock, FakeClock):
-            self.clock.advance(seconds)
-        else:
-            time.sleep(seconds)
 
     # -- lifetime ------------------------------------------------------------------------
 

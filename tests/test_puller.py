@@ -160,3 +160,26 @@ async def test_a_manifest_from_another_transport_is_refused(world):
     with pytest.raises(InvalidArgumentError, match="'fake'"):
         await puller.pull()
     assert await live_leases(world) == ()
+
+
+async def test_overlapping_pulls_each_hand_on_one_whole_version(world):
+    """Regression (found by fuzz/test_concurrent.py): two pulls on one puller, as a
+    prefetch and a forced load, wrote its one mirror together. The first returned v1,
+    its lease valid throughout, with v2's bytes in some buckets."""
+    pub = world.publisher(num_slots=3, bucket_bytes=1024)
+    await pub.publish(1, host_tensors(1))
+    nbytes = sum(len(t.data) for t in host_tensors(1).values())
+    puller = world.puller(world.transport(faults=FakeFaults(bandwidth=nbytes / 2.0)))
+    copies = {}
+
+    async def pull():
+        pulled = await puller.pull()
+        copies[pulled.version] = {name: bytes(pulled.view(name)) for name in host_tensors(1)}
+
+    async with autojump(world.clock):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pull)
+            await world.clock.sleep(0.5)  # v1 is half read
+            await pub.publish(2, host_tensors(2))
+            tg.start_soon(pull)
+    assert copies == {v: {n: t.data for n, t in host_tensors(v).items()} for v in (1, 2)}

@@ -1,0 +1,601 @@
+"""What the fuzzers hold weightpull to: a model of the protocol, and observers that check
+the real registry, publisher and pullers against it as they run. Test code only.
+
+`World` wires one registry, one publisher and any number of reader processes on one
+`FakeClock`. The model learns of every lease through each reader's `ReaderLink` and of
+every slot write through `ObservedAdapter`, and asserts at once when a write lands on a
+slot whose version a live lease still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import itertools
+import math
+from collections.abc import Callable
+
+import anyio
+import attrs
+from hypothesis import currently_in_test_context, event
+
+from weightpull import (
+    FakeClock,
+    HostTensor,
+    InProcessRegistry,
+    Lease,
+    NoFreeSlotError,
+    NoReadyVersionError,
+    PublishError,
+    PublishResult,
+    Publisher,
+    Pulled,
+    Puller,
+    Registry,
+    SlotState,
+    SlotWaitTimeoutError,
+    TornReadError,
+    Transport,
+    TransportError,
+    VersionNotFoundError,
+    VersionState,
+    WeightpullError,
+    WhenFull,
+)
+from weightpull.drivers.fake import FakeFabric, FakeTransport
+from weightpull.drivers.faulty import Faults, FaultyTransport
+from weightpull.tensors import HostTensorAdapter
+
+TTL = 6.0  # every reader's lease TTL; renewed every TTL / 3 while a read runs
+WAIT_TIMEOUT = 4.0  # the publisher's bound on waiting for a free slot (policy WAIT)
+POLL = 0.5
+BUCKET_BYTES = 1024
+LAYOUTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "base": (("a", 300), ("b", 700), ("c", 1200)),
+    "grown": (("a", 300), ("b", 700), ("c", 5000)),  # outgrows the slot: re-registered
+    "renamed": (("x", 2000), ("y", 100)),
+}
+FAULTS = (None, "fail", "tear", "slow")  # what a reader's next pull suffers
+
+
+def tensors(version: int, layout: str) -> dict[str, bytes]:
+    """Each version's bytes differ in every tensor, so any mix of versions shows."""
+    return {name: (f"v{version}/{name}/".encode() * n)[:n] for name, n in LAYOUTS[layout]}
+
+
+def note(what: str) -> None:
+    """Count `what` in Hypothesis' statistics (pytest --hypothesis-show-statistics)."""
+    if currently_in_test_context():
+        event(what)
+
+
+def faults(kind: str | None) -> Faults:
+    if kind == "fail":
+        return Faults(fail_reads=1)
+    if kind == "tear":  # frozen a whole TTL: the lease lapses while the bytes change
+        return Faults(tear_reads=1, freeze=TTL)
+    if kind == "slow":  # reads outlast the lease: only renewal keeps it
+        return Faults(delay=TTL * 1.5)
+    return Faults()
+
+
+# -- running the event loop by hand ------------------------------------------------------------
+
+
+class Hang(AssertionError):
+    """Every task waits and nothing would ever wake one: something waits forever."""
+
+
+async def settle(max_rounds: int = 10_000) -> None:
+    """Return once every other task is blocked and no callback is due. (anyio's
+    wait_all_tasks_blocked polls every 0.1 s on asyncio: far too slow for thousands of
+    steps, and blind to callbacks such as a cancellation still being delivered.)"""
+    loop = asyncio.get_running_loop()
+    for _ in range(max_rounds):
+        await asyncio.sleep(0)
+        if not loop._ready:  # every runnable task has a callback queued there
+            return
+    raise Hang(f"the event loop was still busy after {max_rounds} rounds: a busy loop")
+
+
+async def autojump(clock: FakeClock) -> None:
+    """`FakeClock.autojump`, over `settle`; and where that would wait for a new sleeper,
+    this raises `Hang`: every task of a fuzzing run is ours, so nobody would come."""
+    while True:
+        await settle()
+        deadline = clock.next_deadline()
+        if deadline is None:
+            raise Hang("every task is blocked and no timer is pending")
+        clock.advance(deadline - clock.now())
+
+
+class Loop:
+    """An asyncio loop that a state machine steps by hand: a task started in one rule
+    stays where it blocked until a later rule runs the loop again. Single-threaded and
+    FIFO, so a run replays exactly."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, fn: Callable, *args):
+        """`await fn(*args)`, then let every task run until all are blocked."""
+
+        async def body():
+            result = await fn(*args)
+            await settle()
+            return result
+
+        return self.loop.run_until_complete(body())
+
+    def spawn(self, fn: Callable, *args) -> asyncio.Task:
+        task = self.loop.create_task(fn(*args))
+        self.run(settle)
+        return task
+
+    def advance(self, seconds: float) -> None:
+        """Move time at once: no task runs in between, as if every process stalled."""
+
+        async def jump() -> None:
+            self.clock.advance(seconds)
+
+        self.run(jump)
+
+    def pass_time(self, seconds: float, until: asyncio.Task | None = None) -> None:
+        """Let `seconds` pass timer by timer, every task running at each (or stop early
+        once `until` is done)."""
+        end = self.clock.now() + seconds
+        while until is None or not until.done():
+            deadline = self.clock.next_deadline()
+            if deadline is None or deadline > end:
+                self.advance(end - self.clock.now())
+                return
+            self.advance(deadline - self.clock.now())
+
+    def finish(self, task: asyncio.Task, limit: float) -> None:
+        """Run until `task` is done; it must be within `limit` seconds of fake time."""
+        self.run(settle)
+        self.pass_time(limit, until=task)
+        if not task.done():
+            where = io.StringIO()
+            task.print_stack(file=where)
+            raise Hang(f"still waiting after {limit} s of fake time:\n{where.getvalue()}")
+
+    def close(self) -> None:
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.close()
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+@attrs.define
+class LeaseRecord:
+    lease: Lease  # as last granted or renewed
+    released_at: float | None = None
+
+    def live(self, now: float) -> bool:
+        return self.released_at is None and now < self.lease.expires_at
+
+    def lapsed(self, now: float) -> bool:
+        """It ran out before it was released (a lapsed lease never comes back)."""
+        return (now if self.released_at is None else self.released_at) >= self.lease.expires_at
+
+
+@attrs.define
+class Model:
+    """What the registry and the slots must hold, kept apart from the code under test."""
+
+    clock: FakeClock
+    num_slots: int
+    slots: list[int | None] = attrs.field()  # the version each slot holds, or None
+    states: dict[int, VersionState] = attrs.Factory(dict)  # versions not yet reclaimed
+    contents: dict[int, dict[str, bytes]] = attrs.Factory(dict)
+    newest: int | None = None  # the newest READY version
+    announced: list[int] = attrs.Factory(list)
+    leases: dict[str, LeaseRecord] = attrs.Factory(dict)
+    writing: int | None = None  # the version a publish is copying in
+    versions: itertools.count = attrs.Factory(lambda: itertools.count(1))
+
+    @slots.default
+    def _empty(self) -> list[int | None]:
+        return [None] * self.num_slots
+
+    def live(self, version: int | None) -> list[LeaseRecord]:
+        now = self.clock.now()
+        return [r for r in self.leases.values() if r.lease.version == version and r.live(now)]
+
+    def free_slots(self) -> list[int]:
+        """Slots a publisher may write: never the newest READY, never one leased."""
+        return [i for i, v in enumerate(self.slots) if v is None or (v != self.newest and not self.live(v))]
+
+    # Each of these is told what the code under test just did, and checks it.
+
+    def granted(self, lease: Lease, asked: int | None) -> LeaseRecord:
+        if asked is None:
+            assert lease.version == self.newest, f"leased v{lease.version}, but the newest READY is v{self.newest}"
+        assert self.states.get(lease.version) is VersionState.READY, f"leased v{lease.version}, which is not READY"
+        record = self.leases[lease.id] = LeaseRecord(lease)
+        return record
+
+    def renewed(self, lease: Lease) -> None:
+        record = self.leases[lease.id]
+        assert record.live(self.clock.now()), f"the registry renewed lease {lease.id}, which had ended"
+        record.lease = lease
+
+    def released(self, lease: Lease) -> None:
+        record = self.leases[lease.id]
+        if record.released_at is None:
+            record.released_at = self.clock.now()
+
+    def slot_written(self, slot: int) -> None:
+        held = self.slots[slot]
+        if held is not None:
+            assert held != self.newest, f"slot {slot} was written while it held v{held}, the newest READY"
+            live = self.live(held)
+            assert not live, f"slot {slot} was written while live leases hold its v{held}: {live}"
+            self.states.pop(held, None)
+        assert self.writing is not None
+        self.slots[slot] = self.writing
+        self.states[self.writing] = VersionState.WRITING
+
+    def committed(self, version: int, slot: int) -> None:
+        assert self.slots[slot] == version, f"v{version} announced in slot {slot}, which holds v{self.slots[slot]}"
+        assert not self.announced or version > self.announced[-1], f"v{version} announced after v{self.announced[-1]}"
+        if self.newest is not None:
+            self.states[self.newest] = VersionState.RETIRED
+        self.states[version] = VersionState.READY
+        self.newest = version
+        self.announced.append(version)
+
+    def withdrawn(self) -> None:
+        assert self.newest is not None
+        self.states[self.newest] = VersionState.RETIRED
+        self.newest = None
+
+
+# -- observers -----------------------------------------------------------------------------
+
+
+class ObservedAdapter(HostTensorAdapter):
+    """The publisher's copy into a slot, watched: the model checks every write before a
+    byte lands. `crash` makes the next copy fail halfway, as a lost device would."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.crash = False
+
+    async def write(self, items, region) -> None:
+        slot = next(s.index for s in self.world.publisher.slots if s.region is region)
+        self.world.model.slot_written(slot)
+        if self.crash:
+            await super().write(items[:1], region)
+            raise RuntimeError("injected: the device was lost mid-copy")
+        await super().write(items, region)
+
+
+_GRANTS: contextvars.ContextVar[list[LeaseRecord]] = contextvars.ContextVar("grants")
+
+
+class ReaderLink:
+    """A reader process's line to the registry. It tells the model of every lease (and
+    the pull running in this task of the lease it got); once the process is dead it
+    sends nothing more, not even the release."""
+
+    def __init__(self, registry: Registry, model: Model) -> None:
+        self.registry = registry
+        self.model = model
+        self.dead = False
+
+    async def _alive(self) -> None:
+        if self.dead:  # a call already under way as the process died never arrives
+            await anyio.sleep_forever()
+
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
+        await self._alive()
+        lease = await self.registry.acquire(version, ttl=ttl, holder=holder)
+        _GRANTS.get([]).append(self.model.granted(lease, version))
+        return lease
+
+    async def renew(self, lease: Lease) -> Lease:
+        await self._alive()
+        renewed = await self.registry.renew(lease)
+        self.model.renewed(renewed)
+        return renewed
+
+    async def release(self, lease: Lease) -> None:
+        if not self.dead:
+            await self.registry.release(lease)
+            self.model.released(lease)
+
+    async def is_valid(self, lease: Lease) -> bool:
+        await self._alive()
+        return await self.registry.is_valid(lease)
+
+    async def get(self, version: int):
+        await self._alive()
+        return await self.registry.get(version)
+
+
+class WorldClock(FakeClock):
+    """The shared fake clock, counting stalls: jumps past a timer that did not get to
+    run first. Only a stall may make a lease lapse that its reader kept renewing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalls = 0
+
+    def advance(self, seconds: float) -> None:
+        deadline = self.next_deadline()
+        if deadline is not None and deadline < self.now() + seconds:
+            self.stalls += 1
+        super().advance(seconds)
+
+
+class ProcessClock:
+    """A reader process's view of the shared clock. While the process is frozen its
+    timers do not fire (a stopped process runs nothing), though time goes on."""
+
+    def __init__(self, clock: WorldClock) -> None:
+        self.clock = clock
+        self.froze = False  # since its pull began
+        self._thawed: anyio.Event | None = None
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def advance(self, seconds: float) -> None:  # a torn read's freeze
+        self.clock.advance(seconds)
+
+    async def sleep(self, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+        while self._thawed is not None:
+            await self._thawed.wait()
+
+    @property
+    def frozen(self) -> bool:
+        return self._thawed is not None
+
+    def freeze(self) -> None:
+        self.froze = True
+        self._thawed = self._thawed or anyio.Event()
+
+    def thaw(self) -> None:
+        if self._thawed is not None:
+            self._thawed.set()
+            self._thawed = None
+
+
+class SteppedTransport(FaultyTransport):
+    """A faulty transport whose reads start only as the state machine allows, so that a
+    pull can stand mid-read, some buckets copied and some not, across rules."""
+
+    def __init__(self, inner: Transport, clock: ProcessClock) -> None:
+        super().__init__(inner, clock=clock)
+        self.credits = math.inf
+        self._moved: anyio.Event | None = None
+
+    def allow(self, reads: float) -> None:
+        self.credits = reads
+        if self._moved is not None:
+            self._moved.set()
+            self._moved = None
+
+    async def read(self, *args) -> None:
+        while self.credits < 1:
+            self._moved = self._moved or anyio.Event()
+            await self._moved.wait()
+        self.credits -= 1
+        await super().read(*args)
+
+
+@attrs.define
+class Pull:
+    """One pull as it ended: its outcome, the lease it got, and (if whole) the bytes
+    its mirror held the moment it returned."""
+
+    outcome: Pulled | Exception | None = None  # None: cancelled (its process died)
+    granted: list[LeaseRecord] = attrs.Factory(list)
+    tensors: dict[str, bytes] | None = None
+
+
+@attrs.define(eq=False)
+class Reader:
+    """One replica process: its clock, transport, registry link and puller."""
+
+    name: str
+    clock: ProcessClock
+    transport: SteppedTransport
+    link: ReaderLink
+    puller: Puller
+    fault: str | None = None  # what its pulls since `World.arm` suffer
+    stalls: int = 0  # the world's stalls at `World.arm`
+    applied: int = 0  # the newest version it pulled whole: they only go up
+    task: asyncio.Task | None = None  # the state machine's pull in flight
+    scope: anyio.CancelScope | None = None
+    last: Pull | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.task is not None
+
+    async def pull(self) -> Pull:
+        self.last = run = Pull()
+        _GRANTS.set(run.granted)
+        with anyio.CancelScope() as self.scope:
+            try:
+                pulled = await self.puller.pull()
+            except AssertionError:  # the model caught something: fail the test
+                raise
+            except Exception as exc:  # judged by World.check_pull
+                run.outcome = exc
+            else:  # the copy is the caller's only until its next pull starts
+                run.outcome = pulled
+                run.tensors = {p.spec.name: bytes(pulled.view(p.spec.name)) for p in pulled.layout.placements}
+        return run
+
+
+class World:
+    """A registry, a publisher and reader processes on one fake clock, with the model.
+
+    Seams: `transport()` makes each process's transport endpoint (here the fake driver;
+    another driver between real processes later) and `make_registry()` the registry (a
+    served one, which a `restart_registry` rule would restart, later)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.clock = WorldClock()
+        self.fabric = FakeFabric()
+        self.registry = self.make_registry()
+        self.model = Model(self.clock, num_slots)
+        self.adapter = ObservedAdapter(self)
+        self.publisher = Publisher(
+            self.registry,
+            self.transport(self.clock),
+            num_slots=num_slots,
+            rollout_dtype=None,
+            bucket_bytes=BUCKET_BYTES,
+            wait_timeout=WAIT_TIMEOUT,
+            poll_interval=POLL,
+            name="trainer",
+            clock=self.clock,
+            adapter=self.adapter,
+        )
+        self._names = itertools.count()
+
+    def make_registry(self) -> Registry:
+        return InProcessRegistry(self.clock)
+
+    def transport(self, clock) -> Transport:
+        return FakeTransport(clock=clock, fabric=self.fabric, offload=False)  # no threads: replayable
+
+    def reader(self) -> Reader:
+        """A new reader process."""
+        name = f"reader-{next(self._names)}"
+        clock = ProcessClock(self.clock)
+        transport = SteppedTransport(self.transport(clock), clock)
+        link = ReaderLink(self.registry, self.model)
+        puller = Puller(link, transport, holder=name, ttl=TTL, verify_digests=False, clock=clock)
+        return Reader(name, clock, transport, link, puller)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    async def publish(self, layout: str, when_full: WhenFull, crash: bool = False) -> PublishResult | WeightpullError:
+        """Publish the next version and check the outcome against the model."""
+        version = next(self.model.versions)
+        self.model.contents[version] = data = tensors(version, layout)
+        self.model.writing = version
+        self.publisher.when_full = when_full
+        self.adapter.crash = crash
+        started = self.clock.now()
+        try:
+            outcome = await self.publisher.publish(version, {n: HostTensor("uint8", (len(b),), b) for n, b in data.items()})
+        except WeightpullError as exc:
+            if isinstance(exc.__cause__, AssertionError):  # the observer caught a bad write
+                raise exc.__cause__ from None
+            outcome = exc
+        waited = self.clock.now() - started
+        full = not self.model.free_slots()  # as the publisher saw it: nothing yielded since
+        note(f"publish: {type(outcome).__name__}{' after waiting' if waited else ''}")
+        if isinstance(outcome, PublishResult) and not outcome.skipped:
+            assert not crash, "a publish whose copy failed was announced"
+            assert waited <= WAIT_TIMEOUT, f"publish blocked {waited} s, over its {WAIT_TIMEOUT} s bound"
+            self.model.committed(version, outcome.slot)
+        elif isinstance(outcome, PublishResult):
+            assert when_full is WhenFull.SKIP and full, f"skipped with slots {self.model.free_slots()} free"
+        elif isinstance(outcome, SlotWaitTimeoutError):
+            assert when_full is WhenFull.WAIT and full, f"{outcome!r} with slots {self.model.free_slots()} free"
+            assert WAIT_TIMEOUT <= waited < WAIT_TIMEOUT + POLL, f"gave up after {waited} s"
+        elif isinstance(outcome, NoFreeSlotError):
+            assert when_full is WhenFull.FAIL and full, f"{outcome!r} with slots {self.model.free_slots()} free"
+        elif isinstance(outcome, PublishError) and crash:
+            assert self.model.states[version] is VersionState.WRITING
+            self.model.states[version] = VersionState.ABORTED
+        else:
+            raise AssertionError(f"publish of v{version} raised {outcome!r}")
+        self.model.writing = None
+        return outcome
+
+    async def withdraw(self) -> None:
+        await self.registry.retire(self.model.newest)
+        self.model.withdrawn()
+
+    # -- pulling ---------------------------------------------------------------------------
+
+    def arm(self, reader: Reader, fault: str | None, bandwidth: float | None = None) -> None:
+        """Ready `reader` for its next pull, which suffers `fault` over a link of
+        `bandwidth` bytes per second (None: copies take no time)."""
+        reader.fault = fault
+        reader.transport.faults = faults(fault)
+        reader.transport.faults.bandwidth = bandwidth
+        reader.stalls = self.clock.stalls
+        reader.clock.froze = reader.clock.frozen
+
+    def check_pull(self, reader: Reader, run: Pull) -> None:
+        """A pull yields exactly the bytes of the version it leased, or a typed error
+        that its faults explain; its lease ends with it."""
+        outcome, now = run.outcome, self.clock.now()
+        if not run.granted:
+            assert isinstance(outcome, NoReadyVersionError), f"{reader.name}: {outcome!r} before any lease"
+            return
+        (record,) = run.granted
+        assert not record.live(now), f"{reader.name}: the pull ended but its lease {record.lease.id} lives on"
+        f = reader.transport.faults
+        failed = reader.fault == "fail" and f.fail_reads == 0
+        torn = reader.fault == "tear" and f.tear_reads == 0
+        lapsed = record.lapsed(now)
+        if isinstance(outcome, Pulled):
+            note("pull: whole")
+            assert not (lapsed or failed or torn), f"{reader.name}: handed on a pull that was lapsed={lapsed} failed={failed} torn={torn}"
+            assert outcome.version == record.lease.version
+            assert run.tensors == self.model.contents[outcome.version], f"{reader.name}: the copy of v{outcome.version} is not its bytes"
+            assert outcome.version >= reader.applied, f"{reader.name}: went back from v{reader.applied} to v{outcome.version}"
+            reader.applied = outcome.version
+        elif lapsed:  # the slot may have been rewritten or re-registered under the read
+            stalled = reader.clock.froze or self.clock.stalls != reader.stalls
+            assert stalled, f"{reader.name}: its lease lapsed though it never stalled: renewal failed"
+            rewritten = record.lease.version not in self.model.slots
+            note(f"pull: lapsed{', slot rewritten' if rewritten else ''} -> {type(outcome).__name__}")
+            assert isinstance(outcome, (TornReadError, TransportError)), f"{reader.name}: lapsed lease gave {outcome!r}"
+        elif failed:
+            note("pull: failed read")
+            assert isinstance(outcome, TransportError) and "injected" in str(outcome), f"{reader.name}: {outcome!r}"
+        else:
+            raise AssertionError(f"{reader.name}: a pull whose lease held and met no fault failed: {outcome!r}")
+
+    # -- invariants ------------------------------------------------------------------------
+
+    async def check(self, publishing: bool = False) -> None:
+        """The registry agrees with the model on versions, slots and live leases."""
+        status = await self.registry.status()
+        now = self.clock.now()
+        assert status.newest_ready == self.model.newest
+        assert {v.version: v.state for v in status.versions} == self.model.states
+        for v in status.versions:
+            assert self.model.slots[v.slot] == v.version, f"the registry places v{v.version} in slot {v.slot}"
+        live = {i for i, r in self.model.leases.items() if r.live(now)}
+        assert {x.id for x in status.leases} == live, "the registry and the readers disagree on live leases"
+        if not publishing:
+            for slot in self.publisher.slots:
+                assert slot.state is not SlotState.WRITING, f"slot {slot.index} stuck WRITING"
+                assert slot.version == self.model.slots[slot.index]
+
+    async def check_no_leak(self) -> None:
+        """Once every reader stopped and every TTL passed, nothing is leased, every slot
+        but the newest READY one is reclaimable, and publishing reuses them all."""
+        assert (await self.registry.status()).leases == ()
+        for version in sorted(self.model.states):
+            if version != self.model.newest:
+                try:
+                    await self.registry.reclaim(version)
+                except VersionNotFoundError:
+                    raise AssertionError(f"v{version} vanished from the registry") from None
+                del self.model.states[version]
+        assert len(self.model.free_slots()) == self.model.num_slots - (self.model.newest is not None)
+        for _ in range(self.model.num_slots):
+            outcome = await self.publish("base", WhenFull.FAIL)
+            assert isinstance(outcome, PublishResult), f"a slot leaked: {outcome!r}"

@@ -1,0 +1,221 @@
+"""The protocol in real concurrency: a trainer, readers and a lease hoarder run as anyio
+tasks on one fake clock that jumps whenever every task waits (the harness' `autojump`,
+which also fails the run if all wait with no timer pending: a hang).
+
+Hypothesis draws each actor's program; the interleaving is whatever the awaits make of
+it: publishes whose copy yields between tensors, reads paced by slow links and renewing
+their leases, readers that freeze or die mid-read, leases held past their TTL. The same
+model and observers as the state machine check every step, and nothing may leak.
+"""
+
+from __future__ import annotations
+
+import anyio
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weightpull import NoReadyVersionError, VersionWaitTimeoutError, WhenFull
+
+from .harness import FAULTS, LAYOUTS, TTL, Hang, World, autojump
+from .profiles import PROFILE
+
+LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
+NBYTES = sum(n for layout in LAYOUTS.values() for _, n in layout) // len(LAYOUTS)
+
+half_seconds = st.integers(0, 4 * int(TTL)).map(lambda n: n / 2)
+
+
+@attrs.frozen
+class Publish:
+    pause: float
+    layout: str
+    when_full: WhenFull
+    crash: bool = False  # the copy into the slot fails halfway
+    withdraw: bool = False  # then withdraw the newest READY version
+
+
+@attrs.frozen
+class Pull:
+    pause: float
+    fault: str | None  # see harness.FAULTS
+    die_after: float | None = None  # the process dies this long into the pull
+    freeze: tuple[float, float] | None = None  # after [0] seconds it stops for [1]
+    overlap: float | None = None  # a second pull into the same mirror starts this late
+
+
+@attrs.frozen
+class Hold:
+    pause: float
+    hold: float  # holds a lease on the newest version this long, never renewing it
+    release: bool  # else abandons it
+
+
+@attrs.frozen
+class Wait:
+    pause: float
+    ahead: int  # waits for the newest READY version plus this
+    timeout: float
+
+
+@attrs.frozen
+class Scenario:
+    num_slots: int
+    trainer: tuple[Publish, ...]
+    readers: tuple[tuple[float | None, tuple[Pull, ...]], ...]  # (bandwidth, pulls)
+    hoarder: tuple[Hold, ...]
+    waiter: tuple[Wait, ...]
+
+
+publishes = st.builds(
+    Publish,
+    half_seconds,
+    st.sampled_from(sorted(LAYOUTS)),
+    st.sampled_from(WhenFull),
+    st.integers(0, 5).map(lambda n: n == 0),
+    st.integers(0, 7).map(lambda n: n == 0),
+)
+pauses = st.tuples(half_seconds, half_seconds.map(lambda s: 2 * s))
+pulls = st.builds(
+    Pull,
+    half_seconds,
+    # Not "tear": its freeze jumps everyone's time from inside a read, stalling the
+    # trainer too; here a reader freezes alone (`Pull.freeze`) and real writes tear.
+    st.sampled_from([f for f in FAULTS if f != "tear"]),
+    st.none() | half_seconds,
+    st.none() | pauses,
+) | st.builds(Pull, half_seconds, st.none(), st.none(), st.none() | pauses, half_seconds)  # a replica
+# prefetching while asked to load now: two pulls, no fault to tell which one it hit
+# A pull over one of these links takes from none to about 2 TTLs.
+links = st.none() | st.sampled_from([NBYTES / TTL, 2 * NBYTES / TTL, NBYTES / (2 * TTL)])
+scenarios = st.builds(
+    Scenario,
+    st.integers(2, 3),
+    st.lists(publishes, min_size=1, max_size=10).map(tuple),
+    st.lists(st.tuples(links, st.lists(pulls, min_size=1, max_size=6).map(tuple)), min_size=1, max_size=3).map(tuple),
+    st.lists(st.builds(Hold, half_seconds, half_seconds.map(lambda s: 2 * s), st.booleans()), max_size=4).map(tuple),
+    st.lists(st.builds(Wait, half_seconds, st.integers(0, 2), half_seconds.map(lambda s: 2 * s)), max_size=4).map(tuple),
+)
+
+
+async def trainer(world: World, program: tuple[Publish, ...]) -> None:
+    for step in program:
+        await world.clock.sleep(step.pause)
+        await world.publish(step.layout, step.when_full, step.crash)
+        if step.withdraw and world.model.newest is not None:
+            await world.withdraw()
+        await world.check()
+
+
+async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...]) -> None:
+    process = world.reader()
+    for step in program:
+        await world.clock.sleep(step.pause)
+        world.arm(process, step.fault, bandwidth)
+        ended = []
+
+        async def pull(after: float = 0.0) -> None:
+            await world.clock.sleep(after)
+            ended.append(await process.pull())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pull)
+            if step.overlap is not None:
+                tg.start_soon(pull, step.overlap)
+            if step.freeze is not None:
+                tg.start_soon(freeze, process, *step.freeze)
+            if step.die_after is not None:
+                await world.clock.sleep(step.die_after)
+                process.link.dead = True
+                tg.cancel_scope.cancel()
+        for run in ended:  # those that ended before any death
+            world.check_pull(process, run)
+        if process.link.dead:  # a new process takes its place
+            await process.transport.aclose()
+            process = world.reader()
+        process.clock.thaw()
+        await world.check(publishing=True)
+
+
+async def freeze(process, after: float, seconds: float) -> None:
+    """The process stops `after` seconds into its pull, for `seconds` (on the world's
+    clock: its own stops with it)."""
+    world_clock = process.clock.clock
+    await world_clock.sleep(after)
+    process.clock.freeze()
+    await world_clock.sleep(seconds)
+    process.clock.thaw()
+
+
+async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
+    link = world.reader().link
+    for step in program:
+        await world.clock.sleep(step.pause)
+        try:
+            lease = await link.acquire(ttl=TTL, holder="hoarder")
+        except NoReadyVersionError:
+            assert world.model.newest is None
+            continue
+        await world.clock.sleep(step.hold)
+        if step.release:
+            await link.release(lease)
+        await world.check(publishing=True)
+
+
+async def waiter(world: World, program: tuple[Wait, ...]) -> None:
+    """wait_for_version returns the newest READY once it is new enough, or gives up
+    exactly at its timeout: it never waits forever."""
+    for step in program:
+        await world.clock.sleep(step.pause)
+        want = (world.model.newest or 0) + step.ahead
+        started = world.clock.now()
+        try:
+            manifest = await world.registry.wait_for_version(want, timeout=step.timeout)
+        except VersionWaitTimeoutError:
+            assert world.model.newest is None or world.model.newest < want
+            assert world.clock.now() - started == pytest.approx(step.timeout)
+        else:
+            assert manifest.version == world.model.newest and manifest.version >= want
+            assert world.clock.now() - started <= step.timeout
+
+
+async def play(scenario: Scenario) -> None:
+    world = World(scenario.num_slots)
+    clock = world.clock
+
+    async def actors() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer, world, scenario.trainer)
+            for bandwidth, program in scenario.readers:
+                tg.start_soon(reader, world, bandwidth, program)
+            tg.start_soon(hoarder, world, scenario.hoarder)
+            tg.start_soon(waiter, world, scenario.waiter)
+
+    async def watchdog() -> None:
+        await clock.sleep(LIMIT)
+        raise Hang(f"the actors still ran after {LIMIT} s of fake time")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(autojump, clock)
+        tg.start_soon(watchdog)
+        await actors()
+        await clock.sleep(4 * TTL)  # every reader stopped; let every lease run out
+        await world.check()
+        await world.check_no_leak()
+        tg.cancel_scope.cancel()
+
+
+def _first(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+@PROFILE
+@given(scenarios)
+def test_concurrent_actors(scenario: Scenario) -> None:
+    try:
+        anyio.run(play, scenario, backend="asyncio")
+    except BaseExceptionGroup as group:  # show the failure itself, not its task groups
+        raise _first(group) from None
