@@ -152,23 +152,27 @@ class UpdateAgent:
     async def _next_version(self) -> int:
         """The newest READY version once it reaches the target; re-aimed when poked."""
         while True:
-            self._poke = anyio.Event()
-            found: list[int] = []
-            async with anyio.create_task_group() as tg:
+            found = await self._wait_newest()
+            if found is not None:
+                return found
 
-                async def newest() -> None:
-                    found.append((await self.registry.wait_for_version(self._target())).version)
-                    tg.cancel_scope.cancel()
+    async def _wait_newest(self) -> int | None:
+        """Wait for the target, or for `wait_for_version` to move it (then None)."""
+        self._poke = poke = anyio.Event()
+        found: list[int] = []
+        async with anyio.create_task_group() as tg:
 
-                async def poked() -> None:
-                    assert self._poke is not None
-                    await self._poke.wait()
-                    tg.cancel_scope.cancel()
+            async def newest() -> None:
+                found.append((await self.registry.wait_for_version(self._target())).version)
+                tg.cancel_scope.cancel()
 
-                tg.start_soon(newest)
-                tg.start_soon(poked)
-            if found:
-                return found[0]
+            async def poked() -> None:
+                await poke.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(newest)
+            tg.start_soon(poked)
+        return found[0] if found else None
 
     async def _prefetch(self, version: int) -> bool:
         """Mirror `version` while generation goes on. False after a failure that may

@@ -15,10 +15,12 @@ from .transports import list_transports
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _demo_vllm(args)
     from .demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
-        transport=args.transport,
+        transport=args.transport or "fake",
         size_mib=args.size_mib,
         versions=args.versions,
         replicas=args.replicas,
@@ -27,6 +29,17 @@ def _demo(args: argparse.Namespace) -> int:
         registry=args.registry,
     )
     summary = anyio.run(run_demo, cfg)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
+    from weightpull.integrations.vllm.demo import VllmDemoConfig, run
+
+    cfg = VllmDemoConfig(transport=args.transport or "nixl", registry=args.registry, versions=args.versions,
+                         replicas=args.replicas, tear=not args.no_tear, ttl=args.ttl)
+    summary = run(cfg)
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
@@ -192,7 +205,10 @@ def parser() -> argparse.ArgumentParser:
                           description="A trainer publishes versions of a synthetic fp32 model as bf16; replicas pull at different "
                           "paces (one renews its lease, one skips versions), one read is torn on purpose and must be rejected, "
                           "and every applied copy is checked bit-exact. Progress and a summary go to stderr; exits 1 if a check fails.")
-    demo.add_argument("--transport", default="fake", help="transport driver (default: fake)")
+    demo.add_argument("--transport", help="transport driver (default: fake; nixl with --engine vllm)")
+    demo.add_argument("--engine", choices=("none", "vllm"), default="none",
+                      help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
+                      "(docs/vllm.md; --size-mib does not apply) (default: none)")
     demo.add_argument("--size-mib", type=int, default=256, help="MiB published per version, after the bf16 cast (default: 256)")
     demo.add_argument("--versions", type=int, default=6, help="versions the trainer publishes (default: 6)")
     demo.add_argument("--replicas", type=int, default=2, help="replica pullers, at least 2 (default: 2)")

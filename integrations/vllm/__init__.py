@@ -12,4 +12,15 @@ See docs/vllm.md.
 from .engine import OpenReplica, PullSpec, VllmEngine, VllmReplica, engine_args, open_replica, shutdown, start_engine
 from .worker import WORKER_EXTENSION, WeightpullWorker
 
-__all__ = ["WORKER_EXTENSION", "OpenReplica", "PullSpec", "VllmEngine", "VllmReplica", "WeightpullWorker", "engine_args", "open_replica", "shutdown", "start_engine"]
+__all__ = [
+    "WORKER_EXTENSION",
+    "OpenReplica",
+    "PullSpec",
+    "VllmEngine",
+    "VllmReplica",
+    "WeightpullWorker",
+    "engine_args",
+    "open_replica",
+    "shutdown",
+    "start_engine",
+]

@@ -12,6 +12,7 @@ transformers' on the last version's weights.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -57,19 +58,29 @@ class _Run:
     published: list[int] = attrs.Factory(list)
 
 
+def run(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
+    """The demo, from synchronous code (the CLI)."""
+    summary = anyio.run(run_vllm_demo, cfg, stream)
+    gc.collect()  # finalize the stopped engines now: at interpreter exit vLLM's __del__ fails noisily
+    return summary
+
+
 async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
     if cfg.transport == "fake":
         raise SystemExit("vLLM's workers run in processes of their own, which the fake transport cannot reach: use --transport nixl")
     if cfg.replicas < 2 or cfg.versions < 2:
         raise SystemExit("the demo needs at least 2 replicas and 2 versions")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported, here and in its processes
-    from vllm import SamplingParams
+    try:
+        from vllm import SamplingParams
+    except ImportError as exc:
+        raise SystemExit(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' ({exc})") from exc
 
     from .engine import PullSpec, open_replica
     from .tiny import hf_greedy, make_tiny_llama, set_version
 
     say = Progress(stream)
-    run = _Run()
+    state = _Run()
     with tempfile.TemporaryDirectory(prefix="weightpull-vllm-demo-") as path:
         model = make_tiny_llama(path)
         base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -92,7 +103,7 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
                 mode = (PauseMode.ABORT, PauseMode.WAIT)[i % 2]
                 async with open_replica(name, path, registry, spec, sampling_params=sampling, pause_mode=mode,
                                         dtype="float32", max_model_len=512, max_num_seqs=16) as r:
-                    run.replicas.append(r)
+                    state.replicas.append(r)
                     say(name, f"engine up, pauses in {mode.value} mode{', first read torn on purpose' if torn else ''}")
                     task_status.started()
                     await anyio.sleep_forever()  # until the demo ends; the engines stop together
@@ -101,20 +112,20 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
             async with anyio.create_task_group() as starting:
                 for i in range(cfg.replicas):
                     starting.start_soon(tg.start, replica, i)
-            run.replicas.sort(key=lambda r: r.name)
-            for r in run.replicas:
+            state.replicas.sort(key=lambda r: r.name)
+            for r in state.replicas:
                 tg.start_soon(r.agent.run)
                 tg.start_soon(_narrate, r, say)
 
             staleness = StalenessClock(cfg.max_staleness)
-            dispatcher = Dispatcher([r.replica for r in run.replicas], max_inflight_prompts=cfg.max_inflight_prompts)
+            dispatcher = Dispatcher([r.replica for r in state.replicas], max_inflight_prompts=cfg.max_inflight_prompts)
             tg.start_soon(dispatcher.run)
 
             async def trainer() -> None:
                 for v in range(1, cfg.versions + 1):
                     weights = await anyio.to_thread.run_sync(set_version, model, base, v)
                     result = await publisher.publish(v, weights)
-                    run.published.append(v)
+                    state.published.append(v)
                     staleness.advance(v)
                     say("trainer", f"published v{v} (blocked {result.blocked_s * 1e3:.0f} ms)")
                     for g in range(cfg.groups_per_step):
@@ -127,23 +138,21 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
             tg.start_soon(trainer)
             groups: dict[str, list[Trajectory]] = defaultdict(list)
             async for t in dispatcher.completed():
-                run.trajectories.append(t)
+                state.trajectories.append(t)
                 groups[t.group].append(t)
                 if len(groups[t.group]) == SAMPLES:
-                    run.ages.append(staleness.age(Group(t.group, groups.pop(t.group))))
-            say("dispatcher", f"{len(run.trajectories)} trajectories, {dispatcher.stats.retried} restarted after an abort")
+                    state.ages.append(staleness.age(Group(t.group, groups.pop(t.group))))
+            say("dispatcher", f"{len(state.trajectories)} trajectories, {dispatcher.stats.retried} restarted after an abort")
 
             last = cfg.versions
             matches = []
-            for r in run.replicas:
+            for r in state.replicas:
                 await r.agent.wait_for_version(last, timeout=60)
                 got = await _greedy(r.llm, REFERENCE_PROMPT, cfg.max_tokens)
                 matches.append(got == hf_greedy(model, REFERENCE_PROMPT, cfg.max_tokens))
                 say(r.name, f"greedy output on v{last} {'equals' if matches[-1] else 'DIFFERS FROM'} transformers'")
             tg.cancel_scope.cancel()  # the agents, the server; the engines shut down together
-    summary = _summary(cfg, run, dispatcher, matches, nbytes, say)
-    run.replicas.clear()  # let the engines go now, not at interpreter exit
-    return summary
+    return _summary(cfg, state, dispatcher, matches, nbytes, say)
 
 
 async def _registry(cfg: VllmDemoConfig, tg: Any) -> tuple[Registry, str]:
@@ -172,38 +181,38 @@ async def _greedy(llm: Any, prompt: list[int], max_tokens: int) -> list[int]:
 
     final = None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    async for final in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"reference-{id(prompt)}"):
-        pass
+    async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"reference-{id(prompt)}"):
+        final = output  # the last one holds the whole completion
     return list(final.outputs[0].token_ids)
 
 
-def _summary(cfg: VllmDemoConfig, run: _Run, dispatcher: Dispatcher, matches: list[bool], nbytes: int, say: Progress) -> dict[str, Any]:
-    versions_max = max((len(set(t.versions)) for t in run.trajectories), default=0)
+def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: list[bool], nbytes: int, say: Progress) -> dict[str, Any]:
+    versions_max = max((len(set(t.versions)) for t in state.trajectories), default=0)
     submitted = cfg.versions * cfg.groups_per_step * SAMPLES
-    torn = [r.agent.stats.torn_reads for r in run.replicas]
+    torn = [r.agent.stats.torn_reads for r in state.replicas]
     checks = {
         "one_version_per_trajectory": versions_max == 1,
         "greedy_matches_reference": all(matches),
-        "every_prompt_completed": len(run.trajectories) == submitted,
-        "every_replica_reached_newest": all(r.agent.serving == cfg.versions for r in run.replicas),
+        "every_prompt_completed": len(state.trajectories) == submitted,
+        "every_replica_reached_newest": all(r.agent.serving == cfg.versions for r in state.replicas),
         "torn_read_rejected": torn[0] >= 1 if cfg.tear else True,
     }
     summary = {
         "engine": "vllm",
         "transport": cfg.transport,
         "size_bytes": nbytes,
-        "versions_published": len(run.published),
-        "replicas": len(run.replicas),
-        "pause_modes": [r.agent.pause_mode.value for r in run.replicas],
-        "versions_applied": [r.agent.stats.applied for r in run.replicas],
-        "trajectories": len(run.trajectories),
+        "versions_published": len(state.published),
+        "replicas": len(state.replicas),
+        "pause_modes": [r.agent.pause_mode.value for r in state.replicas],
+        "versions_applied": [r.agent.stats.applied for r in state.replicas],
+        "trajectories": len(state.trajectories),
         "restarted_after_abort": dispatcher.stats.retried,
         "versions_per_trajectory_max": versions_max,
         "greedy_matches_reference": all(matches),
-        "pause_ms": [[round(s * 1e3, 1) for s in r.agent.stats.pause_s] for r in run.replicas],
+        "pause_ms": [[round(s * 1e3, 1) for s in r.agent.stats.pause_s] for r in state.replicas],
         "torn_reads_rejected": sum(torn),
-        "staleness_max": max(run.ages, default=0),
-        "staleness_mean": round(statistics.fmean(run.ages), 3) if run.ages else 0.0,
+        "staleness_max": max(state.ages, default=0),
+        "staleness_mean": round(statistics.fmean(state.ages), 3) if state.ages else 0.0,
         "checks": checks,
         "ok": all(checks.values()),
     }

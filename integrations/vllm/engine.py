@@ -141,8 +141,9 @@ class VllmReplica:
 
         final = None
         request_id = f"{prompt.id}@{self.name}#{next(self._ids)}"
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt.payload)), self.sampling_params, request_id=request_id):
-            final = output
+        tokens = TokensPrompt(prompt_token_ids=list(prompt.payload))
+        async for output in self.llm.generate(tokens, self.sampling_params, request_id=request_id):
+            final = output  # the last one holds the whole completion
         completion = final.outputs[0] if final is not None else None
         if completion is None or completion.finish_reason == "abort":
             return None  # an update aborted it: the dispatcher starts it again

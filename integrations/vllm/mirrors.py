@@ -17,7 +17,6 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import anyio
 import anyio.from_thread
 import torch
 
@@ -37,14 +36,12 @@ class MirrorPair:
         self.pullers = [Puller(registry, transport, holder=holder, ttl=ttl, **puller) for _ in range(2)]
         self.current: Pulled | None = None  # what the engine serves, from the mirror it lies in
         self._spare = 0
-        self._lock: anyio.Lock | None = None  # made on the pulls' own loop
 
     async def pull(self, version: int) -> Pulled:
-        """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable)."""
-        if self._lock is None:
-            self._lock = anyio.Lock()
-        async with self._lock:  # a cancelled pull unwinds before the next one writes the spare
-            return await self.pullers[self._spare].pull(version)
+        """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable).
+        A cancelled pull unwinds before the next one writes the spare: the puller
+        runs one pull at a time."""
+        return await self.pullers[self._spare].pull(version)
 
     def promote(self, pulled: Pulled) -> None:
         """`pulled` now serves: its mirror stops being the spare."""
