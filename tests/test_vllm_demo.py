@@ -1,0 +1,30 @@
+"""`weightpull demo --engine vllm`: two real vLLM replicas, a trainer, the dispatcher."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+try:  # never a silent skip: `make setup` installs vLLM, and CI runs this
+    import vllm  # noqa: F401
+except ImportError as exc:
+    raise ImportError("the vLLM demo test needs the vllm extra: make setup, or pip install 'weightpull[vllm]'") from exc
+
+pytestmark = pytest.mark.slow
+
+
+def test_vllm_demo_json():
+    proc = subprocess.run([sys.executable, "-m", "weightpull", "demo", "--engine", "vllm", "--versions", "3", "--json"],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is True, summary["checks"]
+    assert summary["engine"] == "vllm" and summary["replicas"] == 2 and summary["versions_published"] == 3
+    assert summary["versions_per_trajectory_max"] == 1 and type(summary["versions_per_trajectory_max"]) is int
+    assert summary["greedy_matches_reference"] is True
+    pause_ms = summary["pause_ms"]
+    assert len(pause_ms) == 2 and all(p and all(isinstance(ms, float) and ms > 0 for ms in p) for p in pause_ms)
+    assert all(applied[-1] == 3 for applied in summary["versions_applied"])
+    assert summary["torn_reads_rejected"] >= 1 and summary["trajectories"] == 3 * 4 * 2
+    assert "engine up, pauses in abort mode" in proc.stderr
