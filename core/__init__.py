@@ -48,6 +48,7 @@ from .manifest import Manifest
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
 from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, connect_registry
+from .sharding import Shard, Sharding
 from .staleness import Group, StalenessClock, Trajectory
 from .states import LeaseState, SlotState, VersionState
 from .tensors import HostTensor, TensorAdapter
@@ -102,6 +103,8 @@ __all__ = [
     "RegistryUnavailableError",
     "Remote",
     "ReplayedMessageError",
+    "Shard",
+    "Sharding",
     "SlotState",
     "SlotWaitTimeoutError",
     "StaleSampleError",

@@ -11,6 +11,7 @@ import attrs
 
 from .errors import InvalidArgumentError
 from .layout import Layout
+from .sharding import Shard, check_shards
 
 
 def bucket_digest(data: memoryview | bytes) -> str:
@@ -36,6 +37,9 @@ class Manifest:
     digests: tuple[str, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )
+    # A sharded version: `layout` is the full one, each shard holds rows of it, and
+    # source/slot/publisher repeat shards[0]'s. A shard's commit carries its own alone.
+    shards: tuple[Shard, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.digests is not None and len(self.digests) != len(self.layout.buckets):
@@ -43,6 +47,24 @@ class Manifest:
                 f"manifest v{self.version}: {len(self.digests)} digests for "
                 f"{len(self.layout.buckets)} buckets"
             )
+        if self.shards:
+            first = self.shards[0]
+            if self.digests is not None:
+                raise InvalidArgumentError(f"manifest v{self.version}: a sharded version records no digests")
+            if (self.source, self.slot, self.publisher) != (first.source, first.slot, first.publisher):
+                raise InvalidArgumentError(
+                    f"manifest v{self.version}: source, slot and publisher must be those of shard {first.index}"
+                )
+            check_shards(self.layout, self.shards)
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.shards)
+
+    @property
+    def complete(self) -> bool:
+        """Whether it holds every byte: not sharded, or every shard is there."""
+        return not self.shards or len(self.shards) == self.shards[0].count
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +79,8 @@ class Manifest:
             "slot": self.slot,
             "publisher": self.publisher,
             "digests": list(self.digests) if self.digests is not None else None,
+            # Only when sharded: an unsharded manifest's wire form is unchanged.
+            **({"shards": [s.to_dict() for s in self.shards]} if self.shards else {}),
         }
 
     @classmethod
@@ -70,6 +94,7 @@ class Manifest:
                 slot=int(data["slot"]),
                 publisher=str(data["publisher"]),
                 digests=data.get("digests"),
+                shards=[Shard.from_dict(s) for s in data.get("shards", ())],
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, InvalidArgumentError):

@@ -30,6 +30,7 @@ from .errors import (
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
 from .registry import Registry
+from .sharding import Rows, Shard, Sharding
 from .states import SlotEvent, SlotState, transition
 from .tensors import TensorAdapter, adapter_for, normalize_dtype
 from .transport import Region, Transport
@@ -111,53 +112,77 @@ class Publisher:
         self.adapter = adapter
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.last_version: int | None = None
-        self._layout: Layout | None = None
+        self._plans: tuple[Any, tuple[Layout, tuple[Rows, ...], Layout]] | None = None  # (what, plan)
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
 
-    async def publish(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> PublishResult:
+    async def publish(
+        self,
+        version: int,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        shard: Sharding | None = None,
+    ) -> PublishResult:
         """Copy `tensors` into a free slot as `version` and announce it. Returns once the
         version is READY, or skipped (policy SKIP). On failure the version ends ABORTED
-        and the previous READY version stays as it was."""
+        and the previous READY version stays as it was.
+
+        With `shard`, `tensors` are this publisher's rows of a version that `shard.count`
+        publishers write together: it returns once its shard is committed, and the
+        version turns READY when every shard is. Its failure, or its skip, aborts the
+        version for every shard."""
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:  # one publish at a time: slots are taken and filled in turn
-            return await self._publish(version, tensors)
+            return await self._publish(version, tensors, shard)
 
-    async def _publish(self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> PublishResult:
+    async def _publish(
+        self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
+    ) -> PublishResult:
         started = self.clock.now()
         if self.last_version is not None and version <= self.last_version:
             raise VersionOrderError(f"version {version} must exceed the last published, {self.last_version}")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         if not items:
             raise InvalidArgumentError("publish needs at least one tensor")
+        if shard is not None and self.digests:
+            raise InvalidArgumentError("digests cover whole slots; a sharded version records none (digests=False)")
         adapter = self.adapter or adapter_for(items[0][1])
-        layout = self._plan([adapter.describe(n, v, self.rollout_dtype) for n, v in items])
+        layout, rows, packed = self._plan([adapter.describe(n, v, self.rollout_dtype) for n, v in items], shard)
+        # A shard that gives up before it begins still aborts the version, so that its
+        # siblings neither wait on it nor hold their slots for it.
+        tag = {} if shard is None else {"shard": (shard.index, shard.count)}
 
-        slot = await self._take_slot(version)
+        try:
+            slot = await self._take_slot(version)
+        except BaseException as exc:
+            if shard is not None:
+                await self._abort(version, repr(exc), tag)
+            raise
         if slot is None:
+            if shard is not None:
+                await self._abort(version, f"shard {shard.index} found no free slot", tag)
             return PublishResult(version, True, None, None, self.clock.now() - started)
         slot.move(SlotEvent.FILL)
         try:
-            self._fit(slot, layout.total_bytes)
-            await self.registry.begin(version, publisher=self.name, slot=slot.index)
-        except BaseException:
+            self._fit(slot, packed.total_bytes)
+            await self.registry.begin(version, publisher=self.name, slot=slot.index, **tag)
+        except BaseException as exc:
             slot.move(SlotEvent.ABORT)
+            if shard is not None:
+                await self._abort(version, repr(exc), tag)
             raise
         self.last_version = version
         try:
-            await adapter.write([(v, layout[n]) for n, v in items], slot.region)
+            await adapter.write([(v, packed[n]) for n, v in items], slot.region)
             await adapter.fence()
             digests = await self._digests(slot.region, layout) if self.digests else None
-            manifest = Manifest(version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests)
+            parts = () if shard is None else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
+            manifest = Manifest(version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts)
             await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
             slot.version = version  # the ABORTED record must be reclaimed before reuse
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.registry.abort(version, reason=repr(exc))
-                except WeightpullError as abort_exc:
-                    log.warning("could not record v%s as ABORTED: %s", version, abort_exc)
+            await self._abort(version, repr(exc), tag)
             if isinstance(exc, Exception) and not isinstance(exc, WeightpullError):
                 raise PublishError(f"publish of v{version} failed: {exc!r}") from exc
             raise
@@ -165,11 +190,25 @@ class Publisher:
         slot.version = version
         return PublishResult(version, False, slot.index, manifest, self.clock.now() - started)
 
-    def _plan(self, specs: list[TensorSpec]) -> Layout:
-        """Plan once; re-plan only when a tensor's name, dtype or shape changed."""
-        if self._layout is None or self._layout.specs != tuple(specs):
-            self._layout = plan_layout(specs, bucket_bytes=self.bucket_bytes, align=self.align)
-        return self._layout
+    async def _abort(self, version: int, reason: str, tag: dict[str, Any]) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.registry.abort(version, reason=reason, **tag)
+            except WeightpullError as abort_exc:
+                log.warning("could not record v%s as ABORTED: %s", version, abort_exc)
+
+    def _plan(self, specs: list[TensorSpec], shard: Sharding | None) -> tuple[Layout, tuple[Rows, ...], Layout]:
+        """(the version's layout, the rows a shard holds, the slot's layout). Planned
+        once; again only when a tensor's name, dtype or shape, or the sharding, changed."""
+        what = (tuple(specs), shard)
+        if self._plans is None or self._plans[0] != what:
+            if shard is None:
+                layout = plan_layout(specs, bucket_bytes=self.bucket_bytes, align=self.align)
+                plan: tuple[Layout, tuple[Rows, ...], Layout] = (layout, (), layout)
+            else:
+                plan = shard.plan(specs, bucket_bytes=self.bucket_bytes, align=self.align)
+            self._plans = (what, plan)
+        return self._plans[1]
 
     def _fit(self, slot: _Slot, nbytes: int) -> None:
         """Register the slot's memory once; again only if the model outgrew it."""

@@ -126,9 +126,9 @@ class Puller:
                     f"this puller reads over {self.transport.name!r}"
                 )
             mirror = self._mirror_for(manifest.layout)
-            remote = self._remote(manifest.source)
+            reads = self._reads(manifest)
             self.mirror_version = None  # overwritten from here on
-            lease, renewals = await self._read_all(lease, manifest, remote, mirror)
+            lease, renewals = await self._read_all(lease, manifest, reads, mirror)
             if manifest.digests is not None and self.verify_digests:
                 await self._verify(manifest, mirror)
             self.mirror_version = manifest.version
@@ -140,12 +140,26 @@ class Puller:
                 except WeightpullError as exc:  # the lease ends by TTL anyway
                     log.warning("%s: could not release lease %s: %s", self.holder, lease.id, exc)
 
-    async def _read_all(self, lease: Lease, manifest: Manifest, remote: Remote, mirror: Region) -> tuple[Lease, int]:
-        """Read every bucket concurrently while renewing the lease; check it after."""
+    def _reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
+        """(remote, its offset, the mirror's offset, bytes) of each read a pull makes:
+        each bucket of the slot; or, of a sharded version, each shard's rows of each
+        tensor, straight into their place in the full tensor."""
+        if not manifest.shards:
+            remote = self._remote(manifest.source)
+            return [(remote, b.offset, b.offset, b.nbytes) for b in manifest.layout.buckets]
+        reads = []
+        for shard in manifest.shards:
+            remote = self._remote(shard.source, keep=len(manifest.shards))
+            reads += [(remote, *read) for read in shard.reads(manifest.layout)]
+        return reads
+
+    async def _read_all(
+        self, lease: Lease, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], mirror: Region
+    ) -> tuple[Lease, int]:
+        """Make every read concurrently while renewing the lease; check it after."""
         renewals = 0
         lost: list[BaseException] = []
-        buckets = manifest.layout.buckets
-        pending = len(buckets)
+        pending = len(reads)
 
         async def renew_loop() -> None:
             nonlocal lease, renewals
@@ -161,18 +175,19 @@ class Puller:
                 except WeightpullError as exc:  # transient: the final check decides
                     log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
 
-        async def read(offset: int, nbytes: int) -> None:
+        async def read(remote: Remote, offset: int, local_offset: int, nbytes: int) -> None:
             nonlocal pending
-            await self.transport.read(remote, offset, mirror, offset, nbytes)
+            await self.transport.read(remote, offset, mirror, local_offset, nbytes)
             pending -= 1
             if pending == 0:
                 tg.cancel_scope.cancel()  # every byte landed: stop renewing
 
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(renew_loop)
-                for b in buckets:
-                    tg.start_soon(read, b.offset, b.nbytes)
+                if reads:  # else nothing to wait for (every tensor is empty)
+                    tg.start_soon(renew_loop)
+                for r in reads:
+                    tg.start_soon(read, *r)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         if lost or not await self.registry.is_valid(lease):
@@ -218,12 +233,13 @@ class Puller:
         self.mirror = self.transport.allocate(layout.total_bytes, self.device)
         return self.mirror
 
-    def _remote(self, descriptor: bytes) -> Remote:
-        """Connect once per slot descriptor, not once per pull."""
+    def _remote(self, descriptor: bytes, keep: int = 1) -> Remote:
+        """Connect once per slot descriptor, not once per pull; never drop one of the
+        `keep` used last (a sharded pull uses one per shard)."""
         remote = self._remotes.get(descriptor)
         if remote is None:
             remote = self._remotes[descriptor] = self.transport.connect(descriptor)
-            if len(self._remotes) > _MAX_REMOTES:
+            if len(self._remotes) > max(_MAX_REMOTES, keep):
                 self.transport.disconnect(self._remotes.popitem(last=False)[1])
         self._remotes.move_to_end(descriptor)
         return remote

@@ -36,6 +36,7 @@ from .errors import (
     VersionWaitTimeoutError,
 )
 from .manifest import Manifest
+from .sharding import check_shard
 from .states import LeaseEvent, LeaseState, VersionEvent, VersionState, transition
 
 DEFAULT_MAX_TTL = 600.0
@@ -152,9 +153,9 @@ class RegistryStatus:
 class Registry(Protocol):
     """What publishers and pullers need from a registry, embedded or served."""
 
-    async def begin(self, version: int, *, publisher: str, slot: int) -> None: ...
+    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None: ...
     async def commit(self, manifest: Manifest) -> None: ...
-    async def abort(self, version: int, reason: str = "") -> None: ...
+    async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None: ...
     async def newest(self) -> Manifest | None: ...
     async def get(self, version: int) -> Manifest: ...
     async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease: ...
@@ -182,6 +183,15 @@ class _Lease:
 
 
 @attrs.define
+class _Part:
+    """One shard publisher's part of a sharded version: begun, then committed."""
+
+    publisher: str
+    slot: int
+    manifest: Manifest | None = None
+
+
+@attrs.define
 class _Version:
     version: int
     publisher: str
@@ -191,6 +201,14 @@ class _Version:
     manifest: Manifest | None = None
     reason: str = ""
     leases: dict[str, _Lease] = attrs.Factory(dict)
+    shards: int = 0  # how many shard publishers write it; 0: one plain publisher
+    parts: dict[int, _Part] = attrs.Factory(dict)  # shard index -> its part
+
+    def slots(self) -> list[tuple[str, int]]:
+        """(publisher, slot) of every slot that holds a part of it."""
+        if self.shards:
+            return [(p.publisher, p.slot) for p in self.parts.values()]
+        return [(self.publisher, self.slot)]
 
 
 def _check_int(what: str, value: object) -> int:
@@ -224,29 +242,58 @@ class InProcessRegistry:
 
     # -- publishing ----------------------------------------------------------------------
 
-    async def begin(self, version: int, *, publisher: str, slot: int) -> None:
+    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
         """Record `version` as WRITING into `slot`. Versions strictly increase, and a slot
-        is only begun once the version it held was reclaimed."""
+        is only begun once the version it held was reclaimed.
+
+        With `shard=(index, count)` the version is written by `count` shard publishers:
+        the first to begin it creates it, the others join it while it is WRITING."""
         _check_int("version", version)
         _check_name("publisher", publisher)
         _check_int("slot", slot)
-        if version <= self._highest_begun:
+        index, count = check_shard(*shard) if shard is not None else (0, 0)
+        record = self._versions.get(version)
+        joining = shard is not None and record is not None and record.shards > 0
+        if joining:
+            assert record is not None
+            if record.state is not VersionState.WRITING:
+                raise VersionStateError(f"version {version} is {record.state} ({record.reason}); shard {index} cannot join it")
+            if record.shards != count or index in record.parts:
+                raise InvalidArgumentError(
+                    f"shard {index} of {count} cannot join v{version}: it has {record.shards} shards, "
+                    f"of which {sorted(record.parts)} began"
+                )
+        elif version <= self._highest_begun:
             raise VersionOrderError(
                 f"version {version} must exceed every version begun before "
                 f"(highest so far: {self._highest_begun})"
             )
+        elif record is not None:  # a shard's abort came before any begin
+            raise VersionStateError(f"version {version} is {record.state} ({record.reason}) before it began")
         for v in self._versions.values():
-            if v.publisher == publisher and v.slot == slot:
+            if (publisher, slot) in v.slots():
                 raise VersionInUseError(
                     f"slot {slot} of {publisher!r} still holds version {v.version} "
                     f"({v.state}); reclaim it before writing the slot again"
                 )
+        if joining:
+            assert record is not None
+            record.parts[index] = _Part(publisher, slot)
+            return
         self._highest_begun = version
-        self._versions[version] = _Version(version, publisher, slot, self.clock.now())
+        record = self._versions[version] = _Version(version, publisher, slot, self.clock.now(), shards=count)
+        if shard is not None:
+            record.parts[index] = _Part(publisher, slot)
 
     async def commit(self, manifest: Manifest) -> None:
-        """WRITING -> READY; the previous newest READY version retires."""
+        """WRITING -> READY; the previous newest READY version retires. A sharded version
+        takes each shard's commit, of a manifest naming that shard alone, and turns READY
+        at the last one."""
         record = self._record(manifest.version)
+        if record.shards:
+            return self._commit_shard(record, manifest)
+        if manifest.shards:
+            raise InvalidArgumentError(f"v{manifest.version} was begun unsharded; its manifest names shards")
         if manifest.publisher != record.publisher or manifest.slot != record.slot:
             raise InvalidArgumentError(
                 f"manifest for v{manifest.version} names publisher {manifest.publisher!r} "
@@ -256,17 +303,71 @@ class InProcessRegistry:
             raise VersionOrderError(
                 f"version {manifest.version} cannot be announced after {self._newest_ready}"
             )
+        self._announce(record, manifest)
+
+    def _announce(self, record: _Version, manifest: Manifest) -> None:
         self._move(record, VersionEvent.COMMIT)
         record.manifest = manifest
         previous, self._newest_ready = self._newest_ready, manifest.version
         if previous is not None and self._versions[previous].state is VersionState.READY:
             self._move(self._versions[previous], VersionEvent.RETIRE)
+        for old in [v for v in self._versions.values() if v.shards and v.version < manifest.version]:
+            if not old.parts:  # an abort's tombstone: nobody may begin it now anyway
+                del self._versions[old.version]
+            elif old.state is VersionState.WRITING:  # it can never be READY now: free its shards' slots
+                self._move(old, VersionEvent.ABORT)
+                old.reason = f"superseded by v{manifest.version} before every shard committed"
         if self._committed is not None:
             self._committed.set()
             self._committed = None
 
-    async def abort(self, version: int, reason: str = "") -> None:
+    def _commit_shard(self, record: _Version, manifest: Manifest) -> None:
+        version = manifest.version
+        if len(manifest.shards) != 1:
+            raise InvalidArgumentError(f"a shard commits a manifest naming itself alone; v{version}'s names {len(manifest.shards)}")
+        shard = manifest.shards[0]
+        part = record.parts.get(shard.index)
+        if shard.count != record.shards or part is None or (part.publisher, part.slot) != (shard.publisher, shard.slot):
+            raise InvalidArgumentError(
+                f"shard {shard.index} of {shard.count} from {shard.publisher!r} slot {shard.slot} "
+                f"was not begun for v{version}"
+            )
+        if record.state is not VersionState.WRITING:
+            raise VersionStateError(f"version {version} is {record.state} ({record.reason}); shard {shard.index} cannot commit")
+        if part.manifest is not None:
+            raise InvalidArgumentError(f"shard {shard.index} of v{version} already committed")
+        if self._newest_ready is not None and version < self._newest_ready:
+            raise VersionOrderError(f"version {version} cannot be announced after {self._newest_ready}")
+        for other in record.parts.values():
+            m = other.manifest
+            if m is not None and (m.layout.signature, m.transport) != (manifest.layout.signature, manifest.transport):
+                raise InvalidArgumentError(
+                    f"shard {shard.index} of v{version} disagrees with shard {m.shards[0].index} on the layout or transport"
+                )
+        part.manifest = manifest
+        committed = [p.manifest for _, p in sorted(record.parts.items()) if p.manifest is not None]
+        if len(committed) < record.shards:
+            return  # the version stays WRITING until its last shard commits
+        try:
+            whole = attrs.evolve(committed[0], shards=[m.shards[0] for m in committed])
+        except InvalidArgumentError as exc:  # the shards do not tile the tensors: it can never be read
+            self._move(record, VersionEvent.ABORT)
+            record.reason = str(exc)
+            raise
+        self._announce(record, whole)
+
+    async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
+        """WRITING -> ABORTED. Any shard may abort a sharded version, even before any
+        shard began it (its siblings are then refused), and aborting it again does nothing."""
+        if shard is not None:
+            _, count = check_shard(*shard)
+            if _check_int("version", version) not in self._versions:
+                self._versions[version] = _Version(version, "", 0, self.clock.now(), VersionState.ABORTED,
+                                                   reason=reason, shards=count)
+                return
         record = self._record(version)
+        if record.shards and record.state is VersionState.ABORTED:
+            return
         self._move(record, VersionEvent.ABORT)
         record.reason = reason
 
@@ -279,8 +380,13 @@ class InProcessRegistry:
 
     async def reclaim(self, version: int) -> None:
         """Give a RETIRED or ABORTED version's slot back to its publisher. Refused while
-        any lease on it is alive; the newest READY version is never reclaimable."""
+        any lease on it is alive; the newest READY version is never reclaimable. Of a
+        sharded version, the first shard's reclaim drops it: its siblings then find it
+        gone, which frees their slots too (no lease on it can ever be valid again)."""
         record = self._record(version)
+        if record.shards and record.state is VersionState.WRITING:
+            waiting = sorted(set(range(record.shards)) - {i for i, p in record.parts.items() if p.manifest})
+            raise VersionInUseError(f"version {version} is WRITING: shards {waiting} have not committed")
         live = self._live_leases(record)
         if live:
             holders = ", ".join(sorted({lease.holder for lease in live}))

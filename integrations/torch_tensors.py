@@ -38,9 +38,11 @@ def as_tensors(layout: Layout, region: Region) -> dict[str, torch.Tensor]:
 class TorchAdapter:
     """Copies torch tensors (CPU or CUDA) into a slot, casting fp32 to the rollout dtype.
     Host copies run in a worker thread (torch releases the GIL); device->host copies
-    are queued non-blocking and fenced by a CUDA event."""
+    are queued non-blocking and fenced by a CUDA event, on `stream` if given (a side
+    stream keeps them from queueing ahead of the trainer's own kernels)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
+        self.stream = stream
         self._pending: list[torch.cuda.Event] = []
 
     def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
@@ -59,9 +61,10 @@ class TorchAdapter:
                         tensor_at(region, placement).copy_(value.detach(), non_blocking=on_device)
 
         if on_device:
-            copy_all()
-            event = torch.cuda.Event()
-            event.record()
+            with torch.cuda.stream(self.stream):
+                copy_all()
+                event = torch.cuda.Event()
+                event.record()
             self._pending.append(event)
         else:
             await anyio.to_thread.run_sync(copy_all)

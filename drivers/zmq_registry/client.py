@@ -34,6 +34,7 @@ from weightpull.errors import (
     MessageTooLargeError,
     RegistryError,
     RegistryUnavailableError,
+    VersionNotFoundError,
     VersionWaitTimeoutError,
 )
 from weightpull.manifest import Manifest
@@ -42,6 +43,13 @@ from weightpull.registry import Lease, RegistryStatus
 from . import wire
 
 log = logging.getLogger("weightpull.registry.client")
+_MAX_ABORTED = 16  # a shard's aborts kept for replay: older versions' parts are reclaimed by then
+
+
+def _shard(shard: tuple[int, int] | None) -> dict[str, Any]:
+    """The optional `shard` argument, sent only when set: to an older server, a request
+    without it is the same as ever."""
+    return {} if shard is None else {"shard": [shard[0], shard[1]]}
 
 
 class _NewRun(Exception):
@@ -80,7 +88,12 @@ class ZmqRegistry:
         self.epoch: str | None = None  # the server run this client last spoke with
         # What this client told the registry and stands by, replayed into a new run.
         self._committed: dict[str, Manifest] = {}  # publisher -> its newest committed
-        self._writing: dict[int, tuple[str, int]] = {}  # version -> (publisher, slot)
+        # A shard cannot tell whether its version turned READY, so each part stays until
+        # its slot is reclaimed; and a shard's abort stays, to refuse its siblings' parts.
+        self._parts: dict[tuple[int, str], Manifest] = {}  # (version, publisher) -> its shard's commit
+        self._aborted: dict[int, tuple[str, tuple[int, int]]] = {}  # version -> (reason, shard), the last few
+        # (version, publisher) -> (slot, shard): shard publishers of one version may share a client
+        self._writing: dict[tuple[int, str], tuple[int, tuple[int, int] | None]] = {}
         self._serving: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: list[zmq.asyncio.Socket] = []
@@ -92,34 +105,47 @@ class ZmqRegistry:
 
     # -- publishing ----------------------------------------------------------------------
 
-    async def begin(self, version: int, *, publisher: str, slot: int) -> None:
-        await self._call("begin", version=version, publisher=publisher, slot=slot)
-        self._writing[version] = (publisher, slot)
+    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
+        await self._call("begin", version=version, publisher=publisher, slot=slot, **_shard(shard))
+        self._writing[version, publisher] = (slot, shard)
         self._start_heartbeat()
 
     async def commit(self, manifest: Manifest) -> None:
         await self._call("commit", manifest=manifest.to_dict())
-        self._writing.pop(manifest.version, None)
+        self._writing.pop((manifest.version, manifest.publisher), None)
+        if manifest.shards:
+            self._parts[manifest.version, manifest.publisher] = manifest
+            return
         last = self._committed.get(manifest.publisher)
         if last is None or last.version < manifest.version:
             self._committed[manifest.publisher] = manifest
 
-    async def abort(self, version: int, reason: str = "") -> None:
+    async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
         try:
-            await self._call("abort", version=version, reason=reason)
+            await self._call("abort", version=version, reason=reason, **_shard(shard))
         finally:
-            self._writing.pop(version, None)  # given up on, whatever the registry said
+            self._forget(version)  # given up on, whatever the registry said
+            if shard is not None:
+                self._aborted[version] = (reason, shard)
+                while len(self._aborted) > _MAX_ABORTED:
+                    del self._aborted[min(self._aborted)]
 
     async def retire(self, version: int) -> None:
         await self._call("retire", version=version)
         self._forget(version)
 
     async def reclaim(self, version: int) -> None:
-        await self._call("reclaim", version=version)
+        try:
+            await self._call("reclaim", version=version)
+        except VersionNotFoundError:  # gone already (a sibling shard reclaimed it): forget it too
+            self._forget(version)
+            raise
         self._forget(version)
 
     def _forget(self, version: int) -> None:
-        self._writing.pop(version, None)
+        for journal in (self._writing, self._parts):
+            for key in [k for k in journal if k[0] == version]:
+                del journal[key]
         for publisher, manifest in list(self._committed.items()):
             if manifest.version == version:
                 del self._committed[publisher]
@@ -280,21 +306,31 @@ class ZmqRegistry:
                 self.epoch = epoch
 
     async def _replay(self, run: str) -> None:
-        # Oldest first: versions only move forward in a run.
-        for manifest in sorted(self._committed.values(), key=lambda m: m.version):
+        # Aborts first: each refuses its own version's parts alone. Then oldest first:
+        # versions only move forward in a run.
+        for version, reason, shard in sorted((v, r, s) for v, (r, s) in self._aborted.items()):
+            try:
+                await self._call("abort", version=version, reason=reason, shard=list(shard), _run=run)
+            except RegistryError as exc:
+                self._replay_refused(exc, f"the abort of v{version}")
+        for manifest in sorted([*self._committed.values(), *self._parts.values()], key=lambda m: m.version):
+            shard = (manifest.shards[0].index, manifest.shards[0].count) if manifest.shards else None
             try:
                 await self._call("begin", version=manifest.version, publisher=manifest.publisher,
-                                 slot=manifest.slot, _run=run)
+                                 slot=manifest.slot, _run=run, **_shard(shard))
                 await self._call("commit", manifest=manifest.to_dict(), _run=run)
             except RegistryError as exc:
                 self._replay_refused(exc, f"v{manifest.version}")
-                del self._committed[manifest.publisher]
-        for version, (publisher, slot) in sorted(self._writing.items()):
+                if shard is None:
+                    del self._committed[manifest.publisher]
+                else:
+                    del self._parts[manifest.version, manifest.publisher]
+        for (version, publisher), (slot, shard) in sorted(self._writing.items()):
             try:
-                await self._call("begin", version=version, publisher=publisher, slot=slot, _run=run)
+                await self._call("begin", version=version, publisher=publisher, slot=slot, _run=run, **_shard(shard))
             except RegistryError as exc:
                 self._replay_refused(exc, f"v{version} (being written)")
-                del self._writing[version]
+                del self._writing[version, publisher]
         for replica, version in self._serving.items():
             await self._call("report_serving", replica=replica, version=version, _run=run)
 
@@ -314,7 +350,7 @@ class ZmqRegistry:
 
     async def _heartbeat(self) -> None:
         assert self.heartbeat
-        while self._committed or self._writing:
+        while self._committed or self._writing or self._parts:
             await anyio.sleep(self.heartbeat)
             try:
                 await self._call("ping")

@@ -162,11 +162,11 @@ class RegistryServer:
             case "ping":
                 return None
             case "begin":
-                return await r.begin(a["version"], publisher=a["publisher"], slot=a["slot"])
+                return await r.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a))
             case "commit":
                 return await r.commit(Manifest.from_dict(a["manifest"]))
             case "abort":
-                return await r.abort(a["version"], a["reason"])
+                return await r.abort(a["version"], a["reason"], shard=_shard(a))
             case "retire":
                 return await r.retire(a["version"])
             case "reclaim":
@@ -192,6 +192,11 @@ class RegistryServer:
             case "status":
                 return (await r.status()).to_dict()
         raise ProtocolError(f"no handler for {op!r}")  # wire.OPS and this match disagree
+
+
+def _shard(args: dict[str, Any]) -> tuple[int, int] | None:
+    shard = args.get("shard")
+    return None if shard is None else (shard[0], shard[1])
 
 
 async def run_server(server: RegistryServer, ready: Callable[[str], None]) -> None:

@@ -268,6 +268,10 @@ def _opt(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or test(v)
 
 
+def _is_shard(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v) and v[0] < v[1]
+
+
 @attrs.frozen
 class Arg:
     test: Callable[[Any], bool]
@@ -280,19 +284,21 @@ NUMBER = Arg(_is_number, "a number of magnitude below 1e18")
 OBJECT = Arg(_is_dict, "an object")
 OPT_INT = Arg(_opt(_is_int), "an int in [0, 2**63) or null")
 OPT_NUMBER = Arg(_opt(_is_number), "a number of magnitude below 1e18, or null")
+SHARD = Arg(_is_shard, "[index, count] with 0 <= index < count")
 
 
 @attrs.frozen
 class Op:
     args: Mapping[str, Arg]
     mutates: bool  # its outcome is cached by request id: a retry is answered, not re-run
+    optional: Mapping[str, Arg] = attrs.Factory(dict)  # sent only when set: older peers never see them
 
 
 OPS: Mapping[str, Op] = {
     "ping": Op({}, False),
-    "begin": Op({"version": INT, "publisher": STR, "slot": INT}, True),
+    "begin": Op({"version": INT, "publisher": STR, "slot": INT}, True, {"shard": SHARD}),
     "commit": Op({"manifest": OBJECT}, True),
-    "abort": Op({"version": INT, "reason": STR}, True),
+    "abort": Op({"version": INT, "reason": STR}, True, {"shard": SHARD}),
     "retire": Op({"version": INT}, True),
     "reclaim": Op({"version": INT}, True),
     "newest": Op({}, False),
@@ -308,16 +314,17 @@ OPS: Mapping[str, Op] = {
 
 
 def check_args(req: Request) -> Op:
-    """The request's operation, once its arguments are exactly those it takes, each of
-    the right type."""
+    """The request's operation, once it has every argument it needs, and no others than
+    it takes, each of the right type."""
     op = OPS.get(req.op)
     if op is None:
         raise MalformedMessageError(f"unknown operation {_show(req.op)}")
-    if set(req.args) != set(op.args):
-        missing, extra = sorted(set(op.args) - set(req.args)), sorted(set(req.args) - set(op.args))
+    takes = {**op.args, **op.optional}
+    if not set(op.args) <= set(req.args) <= set(takes):
+        missing, extra = sorted(set(op.args) - set(req.args)), sorted(set(req.args) - set(takes))
         raise MalformedMessageError(f"{req.op}: missing arguments {missing}, unexpected {extra}")
-    for name, arg in op.args.items():
-        if not arg.test(req.args[name]):
+    for name, arg in takes.items():
+        if name in req.args and not arg.test(req.args[name]):
             raise MalformedMessageError(f"{req.op}: {name} must be {arg.want}, got {_show(req.args[name])}")
     return op
 

@@ -1,0 +1,217 @@
+"""Publishing from a synchronous torch training loop, blocking the trainer only for a
+snapshot.
+
+`SnapshotPublisher.publish(version, tensors)` casts the tensors (fp32 to the rollout
+dtype) into a staging buffer on their own device, which it allocated once, and returns
+once that snapshot is complete. The copy from staging into a host slot, its fence and
+the announcement run on a background event loop (a thread): the version is announced
+only after every device-to-host copy landed. The trainer's blocking time per publish is
+measured and kept (`blocking`, and each `Ticket`).
+
+The staging buffer is reused, so a publish first waits until the previous one's copy
+out of it finished: in a training loop whose steps outlast that copy, this never waits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import anyio.from_thread
+import attrs
+import torch
+
+from weightpull.errors import InvalidArgumentError, PublishError, WeightpullError
+from weightpull.layout import TensorSpec, plan_layout
+from weightpull.publisher import Publisher, PublishResult
+from weightpull.registry import Registry, connect_registry
+from weightpull.sharding import Sharding
+from weightpull.tensors import cast_target, normalize_dtype
+from weightpull.transport import Region, Transport
+from weightpull.transports import create_transport
+
+from .torch_tensors import TorchAdapter, tensor_at
+
+log = logging.getLogger(__name__)
+
+
+def spec_of(name: str, tensor: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
+    """`tensor` as published: fp32 cast to the rollout dtype."""
+    return TensorSpec(name, cast_target(normalize_dtype(tensor.dtype), rollout_dtype), tuple(tensor.shape))
+
+
+@attrs.define
+class BlockingTime:
+    """How long publish() held the trainer: the metric to watch."""
+
+    last_s: float = 0.0
+    max_s: float = 0.0
+    total_s: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.last_s = seconds
+        self.max_s = max(self.max_s, seconds)
+        self.total_s += seconds
+        self.count += 1
+
+
+@attrs.frozen
+class Ticket:
+    """One publish, as the trainer sees it: how long it blocked, and the announcement
+    still under way (None where this rank announces nothing)."""
+
+    version: int
+    blocking_s: float
+    future: concurrent.futures.Future[PublishResult] | None = attrs.field(default=None, repr=False)
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def result(self, timeout: float | None = None) -> PublishResult | None:
+        """Wait for the announcement; its result, or its error."""
+        return None if self.future is None else self.future.result(timeout)
+
+
+class Staging:
+    """Cast copies of named tensors, in one buffer on one device, laid out once."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.layout = plan_layout(specs)
+        self.buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        region = Region(self.layout.total_bytes, str(self.device), self.buffer)
+        self.views = {p.spec.name: tensor_at(region, p) for p in self.layout.placements}
+
+    def fill(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor in, casting as it goes (an iterator may make each on the way,
+        as a gather does), and return once every copy is complete on the device."""
+        filled = set()
+        with torch.no_grad():
+            for name, tensor in tensors:
+                view = self.views.get(name)
+                if view is None or view.shape != tensor.shape:
+                    raise InvalidArgumentError(
+                        f"{name!r} of shape {list(tensor.shape)} is not a tensor this staging holds "
+                        f"({list(view.shape) if view is not None else 'no such name'})"
+                    )
+                view.copy_(tensor.detach())
+                filled.add(name)
+        if len(filled) != len(self.views):
+            raise InvalidArgumentError(f"publish left out {sorted(set(self.views) - filled)}")
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()  # on the trainer's stream, after its own work on these tensors
+            done.synchronize()
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.views.items())
+
+
+class SnapshotPublisher:
+    """A `Publisher` on a background event loop, fed from a staging buffer.
+
+    `registry` is a `Registry`, or an address for `connect_registry`; `transport` a
+    `Transport`, or a driver name (made with `transport_options`). `specs` are the
+    tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). Other
+    options go to the `Publisher`. Use it from one thread; `close()` when done."""
+
+    def __init__(
+        self,
+        registry: Registry | str | None,
+        transport: Transport | str,
+        specs: Iterable[TensorSpec],
+        *,
+        device: torch.device | str = "cpu",
+        rollout_dtype: Any = "bfloat16",
+        transport_options: dict[str, Any] | None = None,
+        **publisher_options: Any,
+    ) -> None:
+        self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
+        self.staging = Staging([attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in specs], device)
+        self.blocking = BlockingTime()
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._owned: list[Any] = []  # what close() shuts, because this made it
+        if not isinstance(registry, Registry):
+            registry = connect_registry(registry)
+            self._owned.append(registry)
+        if isinstance(transport, str):
+            transport = create_transport(transport, **(transport_options or {}))
+            self._owned.append(transport)
+        # Copies out of staging on a side stream: queued behind none of the trainer's kernels.
+        stream = torch.cuda.Stream(self.staging.device) if self.staging.device.type == "cuda" else None
+        self.publisher = Publisher(registry, transport, rollout_dtype=self.rollout_dtype,
+                                   adapter=TorchAdapter(stream), **publisher_options)
+        self._serving = self._portal.start_task_soon(self.publisher.serve)  # peers' reads may need our progress
+        self._last: Ticket | None = None
+        self._reported: Ticket | None = None  # whose failure was logged
+
+    @property
+    def name(self) -> str:
+        return self.publisher.name
+
+    def publish(
+        self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, shard: Sharding | None = None
+    ) -> Ticket:
+        """Snapshot `tensors` and return; the version is announced in the background.
+        With `shard`, they are this rank's part of a sharded version."""
+        started = time.perf_counter()
+        self.wait()
+        try:
+            self.staging.fill(tensors)
+        except BaseException as exc:
+            if shard is not None:  # tell the siblings now, rather than let the version wait on us
+                self._portal.call(self._abort, version, repr(exc), shard)
+            if isinstance(exc, Exception) and not isinstance(exc, WeightpullError):
+                raise PublishError(f"snapshotting v{version} failed: {exc!r}") from exc
+            raise
+        publish = functools.partial(self.publisher.publish, version, self.staging.items(), shard=shard)
+        ticket = Ticket(version, time.perf_counter() - started, self._portal.start_task_soon(publish))
+        self.blocking.add(ticket.blocking_s)
+        self._last = ticket
+        return ticket
+
+    def wait(self, timeout: float | None = None) -> PublishResult | None:
+        """Wait until the last publish is announced (or failed: its error is logged and
+        stays on its ticket). Its result, or None."""
+        ticket, future = self._last, self._last and self._last.future
+        if ticket is None or future is None:
+            return None
+        concurrent.futures.wait([future], timeout)
+        error = future.exception(0) if future.done() else None
+        if error is not None:
+            if self._reported is not ticket:
+                self._reported = ticket
+                log.warning("%s: publishing v%s failed: %r", self.name, ticket.version, error)
+            return None
+        return future.result(0) if future.done() else None
+
+    async def _abort(self, version: int, reason: str, shard: Sharding) -> None:
+        try:
+            await self.publisher.registry.abort(version, reason, shard=(shard.index, shard.count))
+        except WeightpullError as exc:
+            log.warning("%s: could not abort v%s: %s", self.name, version, exc)
+
+    def close(self) -> None:
+        """Finish the publish under way, then deregister the slots (versions published
+        stop being readable) and stop the background loop."""
+        try:
+            self.wait()
+            self._serving.cancel()
+            self._portal.call(self.publisher.aclose)
+            for owned in reversed(self._owned):
+                if hasattr(owned, "aclose"):
+                    self._portal.call(owned.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> SnapshotPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
