@@ -15,12 +15,16 @@ from .transports import list_transports
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.replica:  # one of the demo's replica processes, started by its trainer
+        from .demo import replica_main
+
+        return replica_main(args.replica)
     if args.engine == "vllm":
         return _demo_vllm(args)
-    from .demo import DemoConfig, run_demo
+    from .demo import DemoConfig, default_transport, run_demo
 
     cfg = DemoConfig(
-        transport=args.transport or "fake",
+        transport=args.transport or default_transport(),
         size_mib=args.size_mib,
         versions=args.versions,
         replicas=args.replicas,
@@ -28,7 +32,11 @@ def _demo(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         registry=args.registry,
     )
-    summary = anyio.run(run_demo, cfg)
+    try:
+        summary = anyio.run(run_demo, cfg)
+    except KeyboardInterrupt:  # the replica processes are gone already
+        print("interrupted", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
@@ -205,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
                           description="A trainer publishes versions of a synthetic fp32 model as bf16; replicas pull at different "
                           "paces (one renews its lease, one skips versions), one read is torn on purpose and must be rejected, "
                           "and every applied copy is checked bit-exact. Progress and a summary go to stderr; exits 1 if a check fails.")
-    demo.add_argument("--transport", help="transport driver (default: fake; nixl with --engine vllm)")
+    demo.add_argument("--transport", help="transport driver: fake runs everything in one process; any other runs each "
+                      "replica in a process of its own (default: nixl where it loads, else fake)")
     demo.add_argument("--engine", choices=("none", "vllm"), default="none",
                       help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
                       "(docs/vllm.md; --size-mib does not apply) (default: none)")
@@ -215,7 +224,9 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--ttl", type=float, default=2.0, help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)")
     demo.add_argument("--no-tear", action="store_true", help="do not tear a read on purpose")
     demo.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
-    demo.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else in-process)")
+    demo.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else one in the "
+                      "trainer's process, served on loopback to replica processes)")
+    demo.add_argument("--replica", help=argparse.SUPPRESS)  # SPEC: run as a replica process of the demo
     demo.set_defaults(func=_demo)
 
     drivers = sub.add_parser("drivers", help="list transport drivers, and whether each loads here")

@@ -1,31 +1,54 @@
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+from weightpull import list_transports
+
+NIXL = any(d.name == "nixl" and d.available for d in list_transports())
+SMALL = ("--size-mib", "16", "--versions", "4")
 
 
 def run(*args, check=True):
     return subprocess.run([sys.executable, "-m", "weightpull", *args], capture_output=True, text=True, check=check, timeout=300)
 
 
+def replica_alive(pid):
+    """Whether `pid` is still one of the demo's replica processes (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"--replica" in f.read()
+    except FileNotFoundError:
+        return False
+
+
 def test_help_lists_the_commands():
     out = run("--help").stdout
     assert "demo" in out and "drivers" in out
+    assert "--replica " not in run("demo", "--help").stdout  # the demo's own, hidden
 
 
 def test_drivers_json():
     infos = json.loads(run("drivers", "--json").stdout.splitlines()[-1])
-    assert {"name": "fake", "available": True}.items() <= infos[0].items()
+    assert {"name": "fake", "available": True}.items() <= next(i for i in infos if i["name"] == "fake").items()
 
 
 @pytest.mark.slow
-def test_demo_json_summary_and_checks():
+@pytest.mark.parametrize("transport", [
+    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="the nixl driver does not load here")),
+    "fake",
+])
+def test_demo_json_summary_and_checks(transport):
     pytest.importorskip("torch")
-    proc = run("demo", "--json", "--size-mib", "16", "--versions", "4")
+    # nixl is the default where it loads: its run passes no --transport.
+    proc = run("demo", "--json", *SMALL, *(("--transport", "fake") if transport == "fake" else ()), check=False)
+    assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["ok"] is True and summary["bit_exact"] is True
-    assert summary["transport"] == "fake"
+    assert summary["ok"] is True and summary["bit_exact"] is True, proc.stderr
+    assert summary["transport"] == transport
     assert summary["versions_published"] == 4 and summary["replicas"] == 2
     applied = summary["versions_applied"]
     assert len(applied) == 2 and all(a[-1] == 4 for a in applied) and applied[0] == [1, 2, 3, 4]
@@ -33,6 +56,51 @@ def test_demo_json_summary_and_checks():
     assert summary["torn_reads_rejected"] >= 1 and summary["lease_renewals"][1] > 0
     assert isinstance(summary["pull_gbps"], float) and summary["pull_gbps"] > 0
     assert "rejected a torn read (torn on purpose)" in proc.stderr
+    trainer, replicas = summary["trainer_pid"], summary["replica_pids"]
+    if transport == "fake":
+        assert replicas == [trainer, trainer]
+    else:  # each replica ran in a process of its own, and none outlives the demo
+        assert len({trainer, *replicas}) == 3 and proc.stderr.count("up in process") == 2
+        assert not any(replica_alive(pid) for pid in replicas)
+
+
+def _demo_until(line_wanted):
+    """Start the nixl demo; return it and its replicas' pids once `line_wanted` shows."""
+    proc = subprocess.Popen([sys.executable, "-m", "weightpull", "demo", "--transport", "nixl", *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    pids, seen = [], []
+    for line in proc.stderr:
+        seen.append(line)
+        if "up in process" in line:
+            pids.append(int(line.split("up in process ")[1].split(",")[0]))
+        if line_wanted in line:
+            return proc, pids
+    proc.wait()
+    raise AssertionError("".join(seen))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NIXL, reason="the nixl driver does not load here")
+def test_ctrl_c_stops_the_demo_and_its_replica_processes():
+    pytest.importorskip("torch")
+    proc, pids = _demo_until("published v1")
+    assert len(pids) == 2 and all(replica_alive(pid) for pid in pids)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert not any(replica_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NIXL, reason="the nixl driver does not load here")
+def test_a_replica_process_that_dies_fails_the_demo_and_stops_the_other():
+    pytest.importorskip("torch")
+    proc, pids = _demo_until("published v1")
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "was killed by SIGKILL" in err and out == "", err
+    assert not any(replica_alive(pid) for pid in pids)
 
 
 def test_demo_refuses_bad_arguments():
