@@ -55,11 +55,17 @@ class WeightpullWorker:
 
     _weightpull: BackgroundPulls | None = None
     _weightpull_applied: Pulled | None = None  # loaded, not yet committed
+    # What a failed apply falls back on when no mirror holds the served version: the
+    # checkpoint the engine started from, or nothing (None) once pulls were restarted
+    # after a version was applied (its mirror went with them).
+    _weightpull_fallback: str | None = CHECKPOINT
 
     def weightpull_start(self, spec: dict[str, Any]) -> dict[str, Any]:
         """`spec` is a `PullSpec` as a dict: the registry's address, the transport's
         driver name, the lease holder's name, and optional settings."""
         if self._weightpull is not None:
+            if self._weightpull.pair.current is not None:
+                self._weightpull_fallback = None
             self._weightpull.close()
         self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0))
         return self.weightpull_status()
@@ -111,9 +117,9 @@ class WeightpullWorker:
             raise RuntimeError("weightpull_start was not called on this worker")
         return self._weightpull
 
-    def _weightpull_serving(self) -> int | str:
+    def _weightpull_serving(self) -> int | str | None:
         current = self._weightpull_pulls().pair.current
-        return CHECKPOINT if current is None else current.version
+        return self._weightpull_fallback if current is None else current.version
 
     def _weightpull_load(self, pulled: Pulled | None) -> None:
         """Checkpoint-format reload: from a mirror, or (None) from the model's own files."""
@@ -132,9 +138,12 @@ class WeightpullWorker:
         except Exception as exc:  # the full reload below still overwrites every weight
             log.warning("finishing the failed reload raised %r", exc)
         current = self._weightpull_pulls().pair.current
+        if current is None and self._weightpull_fallback is None:
+            log.error("no mirror holds the last good version (pulls restarted since): this replica must not serve")
+            return None
         try:
             self._weightpull_load(current)
         except Exception:
             log.exception("restoring the last good version failed: this replica must not serve")
             return None
-        return CHECKPOINT if current is None else current.version
+        return self._weightpull_serving()
