@@ -60,9 +60,22 @@ class _Run:
 
 def run(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
     """The demo, from synchronous code (the CLI)."""
+    # Import vLLM here: a module it imports lazily keeps the importing frame alive, and
+    # inside the demo that frame would hold the engines until interpreter exit, where
+    # vLLM's __del__ fails noisily.
+    _import_vllm()
     summary = anyio.run(run_vllm_demo, cfg, stream)
-    gc.collect()  # finalize the stopped engines now: at interpreter exit vLLM's __del__ fails noisily
+    gc.collect()  # the stopped engines' reference cycles
     return summary
+
+
+def _import_vllm() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported, here and in its processes
+    try:
+        from vllm import SamplingParams  # noqa: F401
+        from vllm.inputs import TokensPrompt  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' ({exc})") from exc
 
 
 async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
@@ -70,11 +83,8 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
         raise SystemExit("vLLM's workers run in processes of their own, which the fake transport cannot reach: use --transport nixl")
     if cfg.replicas < 2 or cfg.versions < 2:
         raise SystemExit("the demo needs at least 2 replicas and 2 versions")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported, here and in its processes
-    try:
-        from vllm import SamplingParams
-    except ImportError as exc:
-        raise SystemExit(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' ({exc})") from exc
+    _import_vllm()
+    from vllm import SamplingParams
 
     from .engine import PullSpec, open_replica
     from .tiny import hf_greedy, make_tiny_llama, set_version
