@@ -66,14 +66,18 @@ def _drivers(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.size is None:
+        return _model_bench(args)
     from .bench import BenchConfig, _options, parse_size, run_bench, summary_lines
     from .errors import WeightpullError
 
     def say(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
+    if args.preset:
+        return _fail("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
     try:
-        cfg = BenchConfig(transport=args.transport, size=parse_size(args.size), repeat=args.repeat,
+        cfg = BenchConfig(transport=args.transport or "fake", size=parse_size(args.size), repeat=args.repeat,
                           bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
                           options=_options(args.option))
         result = anyio.run(run_bench, cfg, say)
@@ -84,6 +88,24 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0 if result["byte_exact"] else 1
+
+
+def _model_bench(args: argparse.Namespace) -> int:
+    from .errors import WeightpullError
+
+    try:
+        from weightpull.integrations import bench
+    except ImportError as exc:
+        return _fail(f"the bench needs torch: pip install 'weightpull[torch]' ({exc})")
+    try:
+        result = anyio.run(lambda: bench.run(args.preset, [args.transport] if args.transport else None,
+                                             args.versions, not args.no_baselines))
+    except (WeightpullError, ValueError, RuntimeError) as exc:
+        return _fail(exc)
+    print("\n".join(bench.table(result)), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if bench.ok(result) else 1
 
 
 def _address(args: argparse.Namespace) -> str | None:
@@ -233,14 +255,22 @@ def parser() -> argparse.ArgumentParser:
     drivers.add_argument("--json", action="store_true", help="print the list as JSON")
     drivers.set_defaults(func=_drivers)
 
-    pull_bench = sub.add_parser("bench", help="pull bandwidth against the transport's raw read and the machine's copy limit",
-                                description="Publish one version of SIZE bytes and pull it REPEAT times, timing each pull against the "
-                                "transport's own raw read of the same bytes and the copy limit measured in the same run (memcpy, or the "
-                                "GPU copy between the same kinds of memory). The publisher runs in its own process, except for fake. "
-                                "Every pulled copy is checked byte-exact; exits 1 if one is not. GB/s are 10^9 bytes/s.")
-    pull_bench.add_argument("--transport", default="fake", help="transport driver (default: fake)")
-    pull_bench.add_argument("--size", default="1G", help="bytes per version: 256M, 1G, ... (default: 1G)")
-    pull_bench.add_argument("--repeat", type=int, default=5, help="timed pulls, after one to warm up (default: 5)")
+    pull_bench = sub.add_parser("bench", help="trainer block, pull, apply pause and publish-to-serving, beside the limits and baselines",
+                                description="With --preset (the default): a tensor set shaped like a real model goes from a trainer "
+                                "to a replica over each installed transport (or --transport), VERSIONS times after one per trainer slot to warm up: "
+                                "the trainer's blocking time per publish, the pull bandwidth, the replica's apply pause and the time "
+                                "from publish to serving, beside the copy limits measured in the same run and the pushes a user would "
+                                "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). With --size: one version of "
+                                "SIZE bytes pulled REPEAT times against the transport's raw read and the copy limit. Every copy is "
+                                "checked; exits 1 if one is wrong. GB/s are 10^9 bytes/s. Progress goes to stderr (docs/benchmarks.md).")
+    pull_bench.add_argument("--transport", help="one transport driver (default: every one that loads here; with --size, fake)")
+    pull_bench.add_argument("--preset", help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
+                            "(default: 8b with a GPU, else 0.6b)")
+    pull_bench.add_argument("--versions", type=int, default=3, help="measured versions per transport (after one per trainer slot) and updates per "
+                            "baseline (after one) (default: 3)")
+    pull_bench.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
+    pull_bench.add_argument("--size", help="bytes per version, instead of a preset: 256M, 1G, ...")
+    pull_bench.add_argument("--repeat", type=int, default=5, help="with --size: timed pulls, after one to warm up (default: 5)")
     pull_bench.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
     pull_bench.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
     pull_bench.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",

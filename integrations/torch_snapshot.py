@@ -116,7 +116,9 @@ class SnapshotPublisher:
     """A `Publisher` on a background event loop, fed from a staging buffer.
 
     `registry` is a `Registry`, or an address for `connect_registry`; `transport` a
-    `Transport`, or a driver name (made with `transport_options`). `specs` are the
+    `Transport`, or a driver name (made with `transport_options`). `device` holds the
+    staging buffer, `slot_device` the slots (a GPU for drivers that read GPU memory
+    directly, such as cuda_ipc). `specs` are the
     tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). Other
     options go to the `Publisher`. Use it from one thread; `close()` when done."""
 
@@ -127,6 +129,7 @@ class SnapshotPublisher:
         specs: Iterable[TensorSpec],
         *,
         device: torch.device | str = "cpu",
+        slot_device: str = "cpu",
         rollout_dtype: Any = "bfloat16",
         transport_options: dict[str, Any] | None = None,
         **publisher_options: Any,
@@ -146,7 +149,7 @@ class SnapshotPublisher:
         # Copies out of staging on a side stream: queued behind none of the trainer's kernels.
         stream = torch.cuda.Stream(self.staging.device) if self.staging.device.type == "cuda" else None
         self.publisher = Publisher(registry, transport, rollout_dtype=self.rollout_dtype,
-                                   adapter=TorchAdapter(stream), **publisher_options)
+                                   adapter=TorchAdapter(stream), device=slot_device, **publisher_options)
         self._serving = self._portal.start_task_soon(self.publisher.serve)  # peers' reads may need our progress
         self._last: Ticket | None = None
         self._reported: Ticket | None = None  # whose failure was logged

@@ -1,0 +1,274 @@
+"""weightpull's own path over one transport: a trainer publishing, a replica pulling and applying.
+
+The trainer (`SnapshotPublisher`, fp32 parameters cast to bf16) runs in a process of its own,
+or in a thread for drivers whose peers share one process (`fake`). This process is the
+replica: for each version it pulls into a mirror (while it would still be serving), then
+applies the mirror to the model's weights, one copy per tensor (its pause), and serves.
+The two go in lockstep over a pipe, which stands in for the registry's announcement.
+The first version on each of the trainer's two slots warms up (each slot, and the mirror,
+registered once) and is left out of the medians.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import attrs
+import torch
+
+from weightpull.bench import _to_device_seconds  # a staged mirror's copy leg, as `--size` times it
+from weightpull.integrations.torch_tensors import as_tensors
+from weightpull.manifest import Manifest
+from weightpull.puller import Puller
+from weightpull.registry import InProcessRegistry
+from weightpull.transports import create_transport, transport_class
+
+from .presets import PRESETS
+
+IN_PROCESS = frozenset({"fake"})  # drivers whose peers share one process
+STEP = 1e-3  # the stand-in optimizer step: every parameter moves
+SLOTS = 2  # the trainer's; the first version on each registers it, so it warms up
+
+
+@attrs.frozen
+class Setup:
+    transport: str
+    preset: str
+    versions: int  # measured, after one per slot to warm up
+    device: str  # the trainer's parameters and the replica's weights: cpu or cuda:0
+
+    @property
+    def cuda(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def slot(self) -> str:
+        """GPU slots for drivers that read GPU memory at device speed, else (pinned) host."""
+        return self.device if self.cuda and transport_class(self.transport).reads_into_gpu else "cpu"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"pinned": True} if self.cuda and self.transport == "nixl" else {}
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+
+def make_tensors(preset: str, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {n: torch.empty(s, device=device, dtype=dtype).uniform_(-0.04, 0.04, generator=gen)  # faster than randn
+            for n, s in PRESETS[preset].shapes()}
+
+
+def sums(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Per-tensor sums of the bf16 bits: cheap, and any misplaced or stale tensor shows."""
+    return torch.stack([t.view(torch.int16).sum(dtype=torch.int64) for t in tensors.values()]).tolist()
+
+
+def median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1e3, 2)
+
+
+# -- the trainer ------------------------------------------------------------------------------
+
+
+def _trainer_transport(setup: Setup) -> Any:
+    if setup.transport == "fake" and setup.cuda:  # host slots page-locked, as a real driver's
+        from weightpull.integrations.fsdp_bench import PinnedFake
+
+        return PinnedFake()
+    return create_transport(setup.transport, **setup.options)
+
+
+def _train(conn: Any, setup: Setup) -> None:
+    from weightpull.integrations.torch_snapshot import SnapshotPublisher, spec_of
+
+    if setup.cuda:
+        torch.cuda.set_device(setup.device)
+    params = make_tensors(setup.preset, setup.device, torch.float32)
+    transport = _trainer_transport(setup)
+    specs = [spec_of(n, t, "bfloat16") for n, t in params.items()]
+    with SnapshotPublisher(InProcessRegistry(), transport, specs, device=setup.device, slot_device=setup.slot,
+                           num_slots=SLOTS, name=f"bench-trainer-{setup.transport}") as publisher:
+        conn.send(("ready",))
+        while (msg := conn.recv())[0] == "publish":
+            with torch.no_grad():
+                torch._foreach_add_(list(params.values()), STEP)
+            sync(setup.device)
+            started = time.monotonic()
+            ticket = publisher.publish(msg[1], params.items())
+            result = ticket.result()
+            announced = time.monotonic() - started
+            conn.send(("published", started, ticket.blocking_s, announced, result.manifest.to_dict()))
+        conn.send(("stopped", sums(dict(publisher.staging.items()))))  # the last version, as snapshotted
+    anyio.run(transport.aclose)
+
+
+def trainer_main(conn: Any, setup: dict[str, Any]) -> None:
+    try:
+        _train(conn, Setup(**setup))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+class Trainer:
+    """The trainer, in a process of its own (or a thread, for in-process drivers)."""
+
+    def __init__(self, setup: Setup) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        args = (child, attrs.asdict(setup))
+        if setup.transport in IN_PROCESS:
+            self.worker: Any = threading.Thread(target=trainer_main, args=args, daemon=True)
+            self.worker.start()
+        else:
+            self.worker = ctx.Process(target=trainer_main, args=args, daemon=True)
+            self.worker.start()
+            child.close()  # so that a trainer that dies reads as EOF here, not as a hang
+        self._expect("ready")
+
+    def _expect(self, what: str, timeout: float = 600.0) -> tuple[Any, ...]:
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the trainer sent nothing for {timeout:.0f} s (waiting for {what!r})")
+        try:
+            status, *rest = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the trainer died (waiting for {what!r})") from None
+        if status != what:
+            raise RuntimeError(f"the trainer failed: {rest[0]}")
+        return tuple(rest)
+
+    def publish(self, version: int) -> tuple[Any, ...]:
+        self.conn.send(("publish", version))
+        return self._expect("published")
+
+    def stop(self) -> list[int] | None:
+        """Stop it; the sums of the last version it published, if it was still well."""
+        want = None
+        try:
+            self.conn.send(("stop",))
+            want = self._expect("stopped")[0]
+        except (OSError, RuntimeError):
+            pass
+        self.worker.join(120)
+        if isinstance(self.worker, multiprocessing.process.BaseProcess) and self.worker.is_alive():
+            self.worker.kill()
+        return want
+
+
+# -- the replica ------------------------------------------------------------------------------
+
+
+class RawRead:
+    """The same bytes without weightpull: the driver's own raw reader if it has one, else
+    one read of the whole slot through the driver (no lease, no buckets)."""
+
+    def __init__(self, setup: Setup, transport: Any) -> None:
+        self.cls, self.transport, self.setup = transport_class(setup.transport), transport, setup
+        self._readers: dict[bytes, Any] = {}
+        self.name = f"{setup.transport}'s own read" if hasattr(self.cls, "raw_reader") else "one whole-slot read"
+
+    async def seconds(self, manifest: Manifest, region: Any) -> float:
+        source = manifest.source
+        if hasattr(self.cls, "raw_reader"):  # the host leg alone, where the mirror is staged
+            if source not in self._readers:
+                self._readers[source] = self.cls.raw_reader(source, device="cpu", pinned=self.setup.cuda)
+                await anyio.to_thread.run_sync(self._readers[source].read)  # warm: its buffer's first touch
+            return await anyio.to_thread.run_sync(self._readers[source].read)
+        if source not in self._readers:
+            self._readers[source] = self.transport.connect(source)
+        started = time.perf_counter()
+        await self.transport.read(self._readers[source], 0, region, 0, manifest.nbytes)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            if hasattr(self.cls, "raw_reader"):
+                reader.close()
+            else:
+                self.transport.disconnect(reader)
+
+
+def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], device: str) -> None:
+    """The replica's pause: one copy per tensor, from the mirror into the weights."""
+    for name, w in weights.items():
+        w.copy_(mirror[name], non_blocking=True)
+    sync(device)
+
+
+async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[str], None]) -> dict[str, Any]:
+    """Every version published, pulled and applied; medians of the measured versions.
+    `tick` marks a version done, `note` says what runs now (so a stall shows where)."""
+    name = setup.transport
+    note(f"{name}: starting the trainer")
+    trainer = await anyio.to_thread.run_sync(Trainer, setup)
+    registry = InProcessRegistry()  # the manifests as a served registry would hand them over
+    transport = create_transport(setup.transport, **setup.options)
+    puller = Puller(registry, transport, device=setup.device, ttl=60.0)
+    raw = RawRead(setup, puller.transport)
+    weights = {n: torch.empty(s, dtype=torch.bfloat16, device=setup.device) for n, s in PRESETS[setup.preset].shapes()}
+    rows: list[dict[str, float]] = []
+    try:
+        for version in range(setup.versions + SLOTS):
+            note(f"{name} v{version}: publishing")
+            started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.publish, version)
+            manifest = Manifest.from_dict(manifest_dict)
+            await registry.begin(version, publisher=manifest.publisher, slot=manifest.slot)
+            await registry.commit(manifest)
+            if version:  # as the trainer's own registry does before reusing its slot
+                await registry.reclaim(version - 1)
+            note(f"{name} v{version}: pulling")
+            t = time.monotonic()
+            pulled = await puller.pull()
+            pull_s = time.monotonic() - t
+            mirror = as_tensors(pulled.layout, pulled.region)
+            t = time.monotonic()
+            apply(weights, mirror, setup.device)
+            serving = time.monotonic()
+            rows.append({"block_s": blocking_s, "announce_s": announced_s, "pull_s": pull_s,
+                         "apply_s": serving - t, "serving_s": serving - started})
+            note(f"{name} v{version}: raw read")
+            raw_s = await raw.seconds(manifest, pulled.region)  # after serving: off the clock
+            rows[-1]["raw_s"] = raw_s
+            tick(f"{name} v{version}")
+        h2d = [await _to_device_seconds(puller.transport, pulled) for _ in range(3)] if hasattr(puller.transport, "to_device") else []
+    finally:
+        raw.close()
+        await puller.aclose()
+        await transport.aclose()
+        want = await anyio.to_thread.run_sync(trainer.stop)
+    exact = sums(weights) == want
+    nbytes = manifest.nbytes
+    measured = rows[SLOTS:]
+
+    def col(key: str) -> list[float]:
+        return [r[key] for r in measured]
+
+    return {
+        "transport": setup.transport,
+        "size_bytes": nbytes,
+        "buckets": len(manifest.layout.buckets),
+        "slot": setup.slot,
+        "mirror": setup.device if not hasattr(puller.transport, "to_device") else f"{setup.device} (staged)",
+        "publisher_process": setup.transport not in IN_PROCESS,
+        "publish_block_ms": median_ms(col("block_s")),
+        "pull_gbps": round(nbytes / statistics.median(col("pull_s")) / 1e9, 3),
+        "raw_gbps": round(nbytes / statistics.median(col("raw_s")) / 1e9, 3),
+        "raw": raw.name,
+        "to_device_gbps": round(nbytes / statistics.median(h2d) / 1e9, 3) if h2d else None,
+        "apply_pause_ms": median_ms(col("apply_s")),
+        "publish_to_serving_ms": median_ms(col("serving_s")),
+        "announce_ms": median_ms(col("announce_s")),
+        "first_publish_to_serving_s": round(rows[0]["serving_s"], 2),  # registrations included
+        "per_version_ms": [{k.removesuffix("_s"): round(v * 1e3, 2) for k, v in r.items()} for r in rows],
+        "byte_exact": exact,
+    }

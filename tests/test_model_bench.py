@@ -1,0 +1,71 @@
+"""`weightpull bench --preset tiny`: the fields, their types, and ratios that agree with the
+figures they come from. Never a timed assertion: the machine's speed is not under test."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from weightpull.integrations.bench.presets import PRESETS  # noqa: E402
+
+FIGURES = ("publish_block_ms", "pull_gbps", "raw_gbps", "apply_pause_ms", "publish_to_serving_ms", "limit_gbps")
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "weightpull", "bench", *args], capture_output=True, text=True, timeout=300)
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def test_presets_share_one_generator():
+    assert [len(PRESETS[p].shapes()) for p in ("tiny", "0.6b", "8b")] == [24, 310, 399]
+    assert PRESETS["8b"].bf16_bytes() == 16_381_470_720  # Qwen3-8B in bf16, lm_head untied
+
+
+def test_tiny_preset_json_against_limits_and_baselines():
+    proc = bench("--preset", "tiny", "--transport", "fake", "--versions", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the fields of `--size`, and the new ones
+    assert {"transport", "size_bytes", "pull_gbps", "raw_gbps", "limit_gbps", "ratio_to_raw", "to_device_gbps",
+            "publish_block_ms", "apply_pause_ms", "publish_to_serving_ms", "limits", "baselines"} <= r.keys()
+    assert r["transport"] == "fake" and r["preset"] == "tiny" and r["tensors"] == 24 and r["versions"] == 2
+    assert r["size_bytes"] >= r["tensor_bytes"] == PRESETS["tiny"].bf16_bytes()
+    assert [t["transport"] for t in r["transports"]] == ["fake"] and r["byte_exact"] is True
+    for key in FIGURES:
+        assert positive(r[key]), key
+    assert r["to_device_gbps"] is None  # a host mirror: no copy leg to the GPU
+    assert r["ratio_to_raw"] == round(r["pull_gbps"] / r["raw_gbps"], 3)
+    assert r["ratio_to_limit"] == round(r["pull_gbps"] / r["limit_gbps"], 3)
+    assert len(r["per_version_ms"]) == 4  # one per trainer slot to warm up, then the measured ones
+    # serving comes after the trainer's block, the pull and the apply of that same version
+    for v in r["per_version_ms"]:
+        assert v["serving"] + 0.03 >= max(v["block"], v["apply"] + v["pull"])  # each rounded to 0.01 ms
+
+    limits = r["limits"]
+    assert limits["pull_gbps"] == r["limit_gbps"] == limits["memcpy_gbps"]
+    parts = ("publish_block_ms", "slot_copy_ms", "pull_ms", "apply_pause_ms")
+    assert limits["publish_to_serving_ms"] == pytest.approx(sum(limits[k] for k in parts), abs=0.011)
+    assert all(positive(limits[k]) for k in parts)
+
+    by_name = {b["name"]: b for b in r["baselines"]}
+    assert by_name.keys() == {"gloo", "nccl", "verl-ipc"}
+    gloo = by_name["gloo"]
+    assert gloo["byte_exact"] is True and gloo["buckets"] == 1
+    assert all(positive(gloo[k]) for k in ("publish_block_ms", "apply_pause_ms", "publish_to_serving_ms", "update_gbps"))
+    assert "skipped" in by_name["nccl"] and "skipped" in by_name["verl-ipc"]  # no GPU here
+
+    assert "weightpull fake" in proc.stderr and "baseline gloo" in proc.stderr and "limit (" in proc.stderr
+    assert "fake v2" in proc.stderr  # the progress bar named each step
+
+
+def test_preset_and_size_exclude_each_other():
+    proc = bench("--preset", "tiny", "--size", "1M")
+    assert proc.returncode == 1 and "pass one" in proc.stderr
+    proc = bench("--preset", "huge", "--no-baselines")
+    assert proc.returncode == 1 and "unknown preset" in proc.stderr
