@@ -298,7 +298,8 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
             from weightpull.integrations.torch_staging import HostStaged
 
             transport = HostStaged(transport)
-        puller = Puller(registry, transport, device="cpu" if cfg.mirror == "cpu" else "cuda", ttl=60.0)
+        puller = Puller(registry, transport, device="cpu" if cfg.mirror == "cpu" else "cuda",
+                        staging=False if cfg.mirror == "cuda" else None, ttl=60.0)
 
         pull_s: list[float] = []
         raw_s: list[float] = []

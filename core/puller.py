@@ -10,6 +10,7 @@ may be torn, and it is rejected.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -20,6 +21,7 @@ import attrs
 from .clock import Clock, MonotonicClock
 from .errors import (
     DigestMismatchError,
+    DriverUnavailableError,
     InvalidArgumentError,
     InvalidTransitionError,
     LeaseExpiredError,
@@ -63,6 +65,23 @@ class Pulled:
         return self.region.host_view()[p.offset : p.end]
 
 
+def _mirror_transport(transport: Transport, device: str, staging: bool | None) -> Transport:
+    """What a mirror on `device` reads through: `transport`, or for a GPU mirror of a
+    driver whose reads land in host memory, `HostStaged(transport)`: each read lands in a
+    pinned host shadow and is copied to the GPU while the next one is read. Imported only
+    then: it needs torch, which the core does not."""
+    if device == "cpu" or not (staging if staging is not None else not transport.reads_into_gpu):
+        return transport
+    try:
+        staged = importlib.import_module("weightpull.integrations.torch_staging").HostStaged
+    except ImportError as exc:
+        raise DriverUnavailableError(f"a mirror on {device} needs torch: pip install 'weightpull[torch]' ({exc})") from exc
+    reason = staged.unavailable_reason()
+    if reason:
+        raise DriverUnavailableError(f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}")
+    return staged(transport)
+
+
 def _first_error(exc: BaseException) -> BaseException:
     """The first real failure inside (nested) exception groups."""
     while isinstance(exc, BaseExceptionGroup):
@@ -81,13 +100,17 @@ class Puller:
         ttl: float = 10.0,
         renew_every: float | None = None,
         device: str = "cpu",
+        staging: bool | None = None,
         verify_digests: bool = True,
         clock: Clock | None = None,
     ) -> None:
+        """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
+        that lands bytes in host memory is fed through pinned host memory, bucket by bucket
+        (`staging=None` decides by `transport.reads_into_gpu`; True or False forces it)."""
         if ttl <= 0:
             raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
         self.registry = registry
-        self.transport = transport
+        self.transport = _mirror_transport(transport, device, staging)
         self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
         self.ttl = ttl
         self.renew_every = renew_every or ttl / 3
@@ -156,10 +179,10 @@ class Puller:
     async def _read_all(
         self, lease: Lease, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], mirror: Region
     ) -> tuple[Lease, int]:
-        """Make every read concurrently while renewing the lease; check it after."""
+        """Make every read (concurrently, as the transport sees fit) while renewing the
+        lease; check it after."""
         renewals = 0
         lost: list[BaseException] = []
-        pending = len(reads)
 
         async def renew_loop() -> None:
             nonlocal lease, renewals
@@ -175,19 +198,15 @@ class Puller:
                 except WeightpullError as exc:  # transient: the final check decides
                     log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
 
-        async def read(remote: Remote, offset: int, local_offset: int, nbytes: int) -> None:
-            nonlocal pending
-            await self.transport.read(remote, offset, mirror, local_offset, nbytes)
-            pending -= 1
-            if pending == 0:
-                tg.cancel_scope.cancel()  # every byte landed: stop renewing
+        async def read_all() -> None:
+            await self.transport.read_many([(remote, off, mirror, local_off, n) for remote, off, local_off, n in reads])
+            tg.cancel_scope.cancel()  # every byte landed: stop renewing
 
         try:
             async with anyio.create_task_group() as tg:
                 if reads:  # else nothing to wait for (every tensor is empty)
                     tg.start_soon(renew_loop)
-                for r in reads:
-                    tg.start_soon(read, *r)
+                    tg.start_soon(read_all)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         if lost or not await self.registry.is_valid(lease):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import mmap
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import anyio
 import attrs
 
 from .errors import InvalidArgumentError, RegionNotRegisteredError
@@ -46,6 +48,9 @@ class Transport(ABC):
     """One endpoint of a transport. Async reads; everything else is quick and sync."""
 
     name: ClassVar[str]
+    # Reads land in GPU memory at device speed by the driver's own means. A puller keeps a
+    # GPU mirror of any other driver's reads through pinned host memory (`HostStaged`).
+    reads_into_gpu: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -84,6 +89,15 @@ class Transport(ABC):
         self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int
     ) -> None:
         """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
+
+    async def read_many(self, reads: Sequence[tuple[Remote, int, Region, int, int]]) -> None:
+        """Make every `(remote, remote_offset, local, local_offset, nbytes)` read, concurrently;
+        return once all landed. A driver whose reads are cheap to queue (device copies)
+        overrides it to queue them all and wait once: a task per read costs more than a
+        device copy of a bucket."""
+        async with anyio.create_task_group() as tg:
+            for r in reads:
+                tg.start_soon(self.read, *r)
 
     async def serve(self) -> None:  # noqa: B027 - optional hook
         """Help peers' reads of this endpoint's memory along, until cancelled. Drivers whose

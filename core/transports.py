@@ -40,6 +40,8 @@ class DriverInfo:
 BUILTIN: dict[str, DriverEntry] = {
     "fake": DriverEntry("fake", "weightpull.drivers.fake:FakeTransport"),
     "nixl": DriverEntry("nixl", "weightpull.drivers.nixl:NixlTransport", extra="nixl"),
+    "torch": DriverEntry("torch", "weightpull.drivers.torch_transport:TorchTransport", extra="torch-transport"),
+    "cuda_ipc": DriverEntry("cuda_ipc", "weightpull.drivers.cuda_ipc:CudaIpcTransport", extra="torch"),
 }
 
 _registered: dict[str, DriverEntry] = {}

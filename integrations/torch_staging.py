@@ -32,6 +32,8 @@ class _Staged:
 
 
 class HostStaged(Transport):
+    reads_into_gpu = True  # its own copies land each read on the GPU
+
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # manifests name the wire driver

@@ -1,9 +1,13 @@
+import os
+
 import pytest
 
-from .kits import KITS
+from .kits import DEFAULT_DRIVERS, KITS
+
+DRIVERS = os.environ.get("WEIGHTPULL_DRIVERS", ",".join(DEFAULT_DRIVERS)).split(",")
 
 
-@pytest.fixture(scope="module", params=sorted(KITS))
+@pytest.fixture(scope="module", params=sorted(DRIVERS))
 def kit(request):
     kit = KITS[request.param]()
     yield kit

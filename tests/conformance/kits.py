@@ -36,21 +36,32 @@ class Peer(Protocol):
         """Close the peer's transport and, for a process, end the process."""
 
 
+def _write(region: Region, data: bytes) -> None:
+    if region.view is not None:
+        region.host_view()[:] = data
+        return
+    import torch  # a GPU region
+
+    region.memory.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    torch.cuda.synchronize()
+
+
 class InProcessPeer:
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, device: str = "cpu") -> None:
         self.transport = transport
+        self.device = device  # where its regions live
         self.regions: dict[bytes, Region] = {}
 
     async def alloc(self, nbytes: int, seed: int) -> bytes:
-        region = self.transport.allocate(nbytes)
-        region.host_view()[:] = pattern(nbytes, seed)
+        region = self.transport.allocate(nbytes, self.device)
+        _write(region, pattern(nbytes, seed))
         descriptor = self.transport.export(region)
         self.regions[descriptor] = region
         return descriptor
 
     async def fill(self, descriptor: bytes, seed: int) -> None:
         region = self.regions[descriptor]
-        region.host_view()[:] = pattern(region.nbytes, seed)
+        _write(region, pattern(region.nbytes, seed))
 
     async def exit(self) -> None:
         await self.transport.aclose()
@@ -59,9 +70,9 @@ class InProcessPeer:
         pass
 
 
-async def _peer_loop(conn: Any, driver: str) -> None:
+async def _peer_loop(conn: Any, driver: str, device: str) -> None:
     transport = create_transport(driver)
-    peer = InProcessPeer(transport)
+    peer = InProcessPeer(transport, device)
     async with anyio.create_task_group() as tg:
         tg.start_soon(transport.serve)  # the owner's progress, as a publisher runs it
         while True:
@@ -77,17 +88,17 @@ async def _peer_loop(conn: Any, driver: str) -> None:
     conn.send(("ok", None))
 
 
-def peer_main(conn: Any, driver: str) -> None:
-    anyio.run(_peer_loop, conn, driver)
+def peer_main(conn: Any, driver: str, device: str = "cpu") -> None:
+    anyio.run(_peer_loop, conn, driver, device)
 
 
 class ProcessPeer:
     """A peer in a process of its own, driven over a pipe; it runs `serve()` throughout."""
 
-    def __init__(self, driver: str) -> None:
+    def __init__(self, driver: str, device: str = "cpu") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=peer_main, args=(child, driver), daemon=True)
+        self.process = ctx.Process(target=peer_main, args=(child, driver, device), daemon=True)
         self.process.start()
         child.close()
 
@@ -181,4 +192,46 @@ def nixl_kit() -> Kit:
     )
 
 
-KITS: dict[str, Callable[[], Kit]] = {"fake": fake_kit, "nixl": nixl_kit}
+def _torch_holds(transport: Any, region: Region) -> bool:
+    """Ask torch's nixl backend: a view of a registration it dropped is refused."""
+    for memory in region.handle.memories.values():
+        try:
+            memory.to_view()
+            return True
+        except RuntimeError:
+            pass
+    return False
+
+
+def torch_kit() -> Kit:
+    return Kit(
+        "torch",
+        lambda: create_transport("torch"),
+        lambda: ProcessPeer("torch"),
+        _torch_holds,
+        _widen("nbytes"),
+    )
+
+
+def _cuda_ipc_holds(transport: Any, region: Region) -> bool:
+    """Ask CUDA: host memory stays page-locked while registered (the suite reads into host)."""
+    from weightpull.drivers.cuda_ipc import cuda
+
+    return cuda().host_pinned(region.handle.pointer)
+
+
+def cuda_ipc_kit() -> Kit:
+    return Kit(
+        "cuda_ipc",
+        lambda: create_transport("cuda_ipc"),
+        lambda: ProcessPeer("cuda_ipc", device="cuda"),  # it exports GPU memory only
+        _cuda_ipc_holds,
+        _widen("nbytes"),
+    )
+
+
+KITS: dict[str, Callable[[], Kit]] = {"fake": fake_kit, "nixl": nixl_kit, "torch": torch_kit, "cuda_ipc": cuda_ipc_kit}
+# The drivers a plain `pytest` runs the suite against. Others need an environment of their
+# own (torch: torch >= 2.15) or a GPU (cuda_ipc): WEIGHTPULL_DRIVERS=name,... picks them,
+# and a picked driver that cannot run here fails its tests rather than skip them.
+DEFAULT_DRIVERS = ("fake", "nixl")

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/gpu.md, and the GPU tests. Run from the repository root on the
+# H200 machine (torch 2.11, numpy, pytest; nothing else needed). $OUT/gpu-bench.json gets
+# the bench's JSON line.
+set -u
+OUT=${OUT:-/tmp/weightpull-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null ||
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'cpus', __import__('os').cpu_count())"
+
+echo "=== tests: WEIGHTPULL_DRIVERS=cuda_ipc pytest tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py"
+WEIGHTPULL_DRIVERS=cuda_ipc timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider --timeout=90 \
+    tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py 2>&1 | tail -40
+echo "tests exit ${PIPESTATUS[0]}"
+
+echo "=== bench: python3 -m weightpull.integrations.gpu_bench --json ${BENCH_ARGS:-}"
+timeout "${BENCH_LIMIT:-240}" python3 -m weightpull.integrations.gpu_bench --json ${BENCH_ARGS:-} >"$OUT/gpu-bench.json"
+echo "bench exit $?"

@@ -1,0 +1,142 @@
+"""The cuda_ipc driver and GPU mirrors, on a GPU: pulls between processes into GPU and
+host mirrors, handles opened once per process, a crashed or deregistering owner, memory
+CUDA IPC cannot export, GPU mirrors of a host-landing driver, and peer-to-peer reads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import anyio
+import pytest
+import torch
+
+from weightpull import (
+    InProcessRegistry,
+    InvalidArgumentError,
+    PeerGoneError,
+    Publisher,
+    Puller,
+    RegionNotRegisteredError,
+    create_transport,
+)
+from weightpull.drivers import cuda_ipc
+from weightpull.integrations.gpu_bench import PublisherProcess, checksums, make_tensors, mirror_checksums
+from weightpull.integrations.torch_staging import HostStaged
+
+from ..conformance.kits import ProcessPeer
+
+pytestmark = pytest.mark.anyio
+SHAPES = [("embed", (1000, 512)), *[(f"layer{i}.w", (512, 384 + i)) for i in range(12)], ("norm", (512,))]
+
+
+async def _registry_with(manifest):
+    registry = InProcessRegistry()
+    await registry.begin(manifest.version, publisher=manifest.publisher, slot=manifest.slot)
+    await registry.commit(manifest)
+    return registry
+
+
+async def test_a_publisher_process_gpu_slot_pulled_into_gpu_and_host_mirrors_opened_once():
+    proc = PublisherProcess([1 << 20], shapes=SHAPES)
+    try:
+        (manifest,), want = await anyio.to_thread.run_sync(proc.ready)
+        assert want == checksums(make_tensors(SHAPES, "cuda:0"))  # the same seed here
+        a, b = create_transport("cuda_ipc"), create_transport("cuda_ipc")
+        gpu = Puller(await _registry_with(manifest), a, device="cuda:0")
+        host = Puller(await _registry_with(manifest), b, device="cpu")
+        assert gpu.transport is a  # cuda_ipc lands on the GPU itself: no staging
+        for _ in range(2):
+            pulled = await gpu.pull()
+            assert pulled.region.device == "cuda:0" and mirror_checksums(pulled.layout, pulled.region) == want
+            pulled = await host.pull()
+            assert pulled.region.device == "cpu" and mirror_checksums(pulled.layout, pulled.region) == want
+        assert len(manifest.layout.buckets) > 3
+        handle = bytes.fromhex(__import__("json").loads(manifest.source)["handle"])
+        assert [key for key in cuda_ipc._mappings if key[0] == handle] == [(handle, 0)]  # one for both
+        for puller, transport in ((gpu, a), (host, b)):
+            await puller.aclose()
+            await transport.aclose()
+        assert not cuda_ipc._mappings
+    finally:
+        await anyio.to_thread.run_sync(proc.stop)
+
+
+async def test_a_crashed_owner_is_gone():
+    peer = ProcessPeer("cuda_ipc", device="cuda")
+    reader = create_transport("cuda_ipc")
+    try:
+        remote = reader.connect(await peer.alloc(1 << 20, seed=3))
+        local = reader.allocate(1 << 20, "cuda:0")
+        await reader.read(remote, 0, local, 0, 1 << 20)
+        os.kill(peer.process.pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(peer.process.join)
+        with pytest.raises(PeerGoneError, match="exited"):
+            await reader.read(remote, 0, local, 0, 1 << 20)
+    finally:
+        peer.close()
+        await reader.aclose()
+
+
+async def test_a_region_its_owner_deregistered_is_refused():
+    owner, reader = create_transport("cuda_ipc"), create_transport("cuda_ipc")
+    slot = owner.allocate(4096, "cuda:0")
+    slot.memory.fill_(7)
+    remote = reader.connect(owner.export(slot))
+    assert owner.export(slot) == remote.descriptor  # exported once
+    local = reader.allocate(4096, "cuda:0")
+    await reader.read(remote, 0, local, 0, 4096)  # this process's own export: its own pointer
+    assert bool((local.memory == 7).all())
+    owner.deregister(slot)
+    with pytest.raises(RegionNotRegisteredError, match="deregistered"):
+        await reader.read(remote, 0, local, 0, 4096)
+    with pytest.raises(RegionNotRegisteredError, match="no longer exported"):
+        reader.connect(remote.descriptor)
+    await reader.aclose()
+    await owner.aclose()
+
+
+def test_expandable_segments_cannot_be_exported():
+    script = (
+        "import torch, weightpull as w\n"
+        "t = w.create_transport('cuda_ipc')\n"
+        "r = t.register(torch.empty(1 << 22, dtype=torch.uint8, device='cuda'), 'cuda')\n"
+        "try:\n    t.export(r)\nexcept w.InvalidArgumentError as e:\n    print('refused:', e)\n"
+        "t.allocate(1 << 22, 'cuda:0').memory.fill_(1); print('own allocation ok')\n"
+    )
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "refused:" in out.stdout and "expandable segments" in out.stdout, out.stdout + out.stderr
+    assert "own allocation ok" in out.stdout
+
+
+async def test_a_gpu_mirror_of_a_host_landing_driver_is_fed_through_pinned_memory():
+    registry = InProcessRegistry()
+    publisher = Publisher(registry, create_transport("fake"), rollout_dtype=None, bucket_bytes=1 << 20)
+    tensors = make_tensors(SHAPES, "cuda:0", seed=5)
+    await publisher.publish(1, tensors)
+    puller = Puller(registry, create_transport("fake"), device="cuda:0")
+    assert isinstance(puller.transport, HostStaged)
+    pulled = await puller.pull()
+    assert pulled.region.device == "cuda:0"
+    assert mirror_checksums(pulled.layout, pulled.region) == checksums(tensors)
+    await puller.aclose()
+    await publisher.aclose()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host")
+async def test_a_reader_on_another_gpu_reads_peer_to_peer():
+    proc = PublisherProcess([1 << 20], device="cuda:0", shapes=SHAPES)
+    try:
+        (manifest,), want = await anyio.to_thread.run_sync(proc.ready)
+        transport = create_transport("cuda_ipc", device="cuda:1")
+        puller = Puller(await _registry_with(manifest), transport, device="cuda:1")
+        pulled = await puller.pull()
+        assert pulled.region.device == "cuda:1" and mirror_checksums(pulled.layout, pulled.region) == want
+        assert any(key[1] == 1 for key in cuda_ipc._mappings)  # mapped into cuda:1, peer access on
+        await puller.aclose()
+        await transport.aclose()
+    finally:
+        await anyio.to_thread.run_sync(proc.stop)

@@ -1,0 +1,179 @@
+"""The cuda_ipc driver where there is no GPU: it says why it cannot run, and the parts that
+need no GPU work for real: descriptors, and the owner's liveness file that tells a reader
+its owner deregistered a region, closed, or died (CUDA keeps a mapping either way).
+tests/gpu/ and the conformance suite (WEIGHTPULL_DRIVERS=cuda_ipc) run it on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import anyio
+import pytest
+import torch
+
+from weightpull import (
+    DriverUnavailableError,
+    InvalidArgumentError,
+    PeerGoneError,
+    RegionNotRegisteredError,
+    create_transport,
+    list_transports,
+)
+from weightpull.drivers import cuda_ipc
+from weightpull.drivers.cuda_ipc import CudaIpcTransport, _boot_id
+
+OWNER = textwrap.dedent("""
+    import sys
+    from weightpull.drivers.cuda_ipc import _OwnerFile, _CLOSED, _DEREGISTERED
+    files = [_OwnerFile(4096), _OwnerFile(8192), _OwnerFile(16)]
+    print(" ".join(f.path for f in files), flush=True)
+    for line in sys.stdin:
+        index, state = line.split()
+        files[int(index)].release({"D": _DEREGISTERED, "C": _CLOSED}[state])
+        print("done", flush=True)
+""")
+
+
+def test_without_a_gpu_it_says_why():
+    (info,) = [i for i in list_transports() if i.name == "cuda_ipc"]
+    assert info.extra == "torch"
+    if torch.cuda.is_available():  # a GPU machine: tests/gpu covers it
+        assert info.available and CudaIpcTransport.unavailable_reason() is None
+        return
+    assert not info.available and "no CUDA device here" in info.reason and torch.__version__ in info.reason
+    with pytest.raises(DriverUnavailableError, match="cuda_ipc.*no CUDA device"):
+        create_transport("cuda_ipc")
+
+
+def _descriptor(path: str, nbytes: int = 4096, boot: str | None = None, **extra) -> bytes:
+    d = {"cuda_ipc": 1, "handle": "ab" * 64, "offset": 0, "nbytes": nbytes, "device": 0, "pid": 1,
+         "boot": boot or _boot_id(), "file": path, **extra}
+    return json.dumps(d).encode()
+
+
+def test_the_owners_file_says_deregistered_closed_or_dead():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    t = CudaIpcTransport()  # connecting needs no GPU
+    try:
+        paths = owner.stdout.readline().split()
+        remotes = [t.connect(_descriptor(p)) for p in paths]
+        assert [r.handle.exported for r in remotes] == [4096, 8192, 16]  # the owner's record
+        for r in remotes:
+            r.handle.check_owner("reading")  # locked by a live owner: nothing to say
+
+        def tell(index: int, state: str) -> None:
+            owner.stdin.write(f"{index} {state}\n")
+            owner.stdin.flush()
+            assert owner.stdout.readline().strip() == "done"
+
+        tell(0, "D")
+        with pytest.raises(RegionNotRegisteredError, match="reading: its owner deregistered it"):
+            remotes[0].handle.check_owner("reading")
+        tell(1, "C")
+        with pytest.raises(PeerGoneError, match="closed its transport or exited"):
+            remotes[1].handle.check_owner("reading")
+        remotes[2].handle.check_owner("reading")
+        os.kill(owner.pid, signal.SIGKILL)  # no word from it: only its lock goes
+        owner.wait(30)
+        with pytest.raises(PeerGoneError):
+            remotes[2].handle.check_owner("reading")
+        with pytest.raises(RegionNotRegisteredError, match="no longer exported"):
+            t.connect(_descriptor(paths[0]))  # released files are removed
+        for r in remotes:
+            t.disconnect(r)
+    finally:
+        owner.kill()
+        for path in paths[2:]:  # the killed owner's, left behind
+            os.unlink(path)
+
+
+def test_bad_descriptors_are_refused(tmp_path):
+    t = CudaIpcTransport()
+    with pytest.raises(InvalidArgumentError, match="not a cuda_ipc descriptor"):
+        t.connect(b"garbage")
+    with pytest.raises(InvalidArgumentError, match="not a cuda_ipc descriptor"):
+        t.connect(_descriptor("/etc/passwd"))  # not an owner's file
+    with pytest.raises(InvalidArgumentError, match="another host"):
+        t.connect(_descriptor(str(tmp_path / "weightpull-cuda-ipc-x"), boot="another-boot"))
+
+
+class _FakeCuda:
+    """CUDA's stream semantics on a clock: copies land in order, each `nbytes` ns after the
+    one before. Enough of the driver API for a `_Lane`."""
+
+    def __init__(self):
+        self._contexts = {0: ctypes.c_void_p(1)}
+        self.events, self.landing, self.tail = 0, {}, 0.0
+
+    @contextlib.contextmanager
+    def on(self, device):
+        yield
+
+    def check(self, result, what):
+        assert result == 0, what
+
+    def cuStreamCreate(self, stream, flags):
+        return 0
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        return 0
+
+    def cuCtxPopCurrent_v2(self, ctx):
+        return 0
+
+    def cuEventCreate(self, event, flags):
+        self.events += 1
+        event._obj.value = self.events
+        return 0
+
+    def cuMemcpyAsync(self, dst, src, nbytes, stream):
+        self.tail = max(self.tail, time.monotonic()) + nbytes * 1e-9
+        return 0
+
+    def cuEventRecord(self, event, stream):
+        self.landing[event.value] = self.tail
+        return 0
+
+    def cuEventQuery(self, event):
+        return 0 if time.monotonic() >= self.landing[event.value] else 600
+
+
+@pytest.mark.anyio
+async def test_a_lane_wakes_every_fence_in_order_through_batches_and_cancellations(monkeypatch):
+    monkeypatch.setattr(cuda_ipc, "_cuda", _FakeCuda())
+    lane = cuda_ipc._Lane(0)
+    rng = random.Random(7)
+    finished = []
+
+    async def reads(k, count, cancel_after=None):
+        waits = [lane.copy(0, 0, rng.choice([1 << 10, 1 << 16, 1 << 20])) for _ in range(count)]
+        with anyio.CancelScope() as scope:
+            if cancel_after is not None:
+                scope.deadline = anyio.current_time() + cancel_after
+            await lane.fence(waits[-1])  # a batch waits for its last copy only
+            assert all(w.result == 0 for w in waits)
+            finished.append(k)
+
+    uncancelled = []
+    with anyio.fail_after(30):  # a lost poller would hang here
+        for round_ in range(10):
+            async with anyio.create_task_group() as tg:
+                for k in range(100 * round_, 100 * round_ + 12):
+                    cancel_after = rng.random() * 0.002 if rng.random() < 0.3 else None
+                    if cancel_after is None:
+                        uncancelled.append(k)
+                    tg.start_soon(reads, k, rng.randint(1, 8), cancel_after)
+    assert set(uncancelled) <= set(finished) and not lane._polling and not lane._waiting
+    async with anyio.create_task_group() as tg:  # single reads land oldest first
+        for k in range(50):
+            tg.start_soon(reads, k, 1)
+    assert finished[-50:] == list(range(50))
