@@ -232,6 +232,7 @@ class InProcessRegistry:
         self._versions: dict[int, _Version] = {}
         self._lease_index: dict[str, int] = {}  # lease id -> version
         self._highest_begun = -1
+        self._highest_announced = -1  # withdrawn or not: announced versions only go up
         self._newest_ready: int | None = None
         self._serving: dict[str, int] = {}
         # Lease ids are unique across registries: one from before a served registry
@@ -299,15 +300,16 @@ class InProcessRegistry:
                 f"manifest for v{manifest.version} names publisher {manifest.publisher!r} "
                 f"slot {manifest.slot}; it was begun by {record.publisher!r} slot {record.slot}"
             )
-        if self._newest_ready is not None and manifest.version < self._newest_ready:
+        if manifest.version < self._highest_announced:
             raise VersionOrderError(
-                f"version {manifest.version} cannot be announced after {self._newest_ready}"
+                f"version {manifest.version} cannot be announced after {self._highest_announced}"
             )
         self._announce(record, manifest)
 
     def _announce(self, record: _Version, manifest: Manifest) -> None:
         self._move(record, VersionEvent.COMMIT)
         record.manifest = manifest
+        self._highest_announced = manifest.version
         previous, self._newest_ready = self._newest_ready, manifest.version
         if previous is not None and self._versions[previous].state is VersionState.READY:
             self._move(self._versions[previous], VersionEvent.RETIRE)
@@ -336,8 +338,8 @@ class InProcessRegistry:
             raise VersionStateError(f"version {version} is {record.state} ({record.reason}); shard {shard.index} cannot commit")
         if part.manifest is not None:
             raise InvalidArgumentError(f"shard {shard.index} of v{version} already committed")
-        if self._newest_ready is not None and version < self._newest_ready:
-            raise VersionOrderError(f"version {version} cannot be announced after {self._newest_ready}")
+        if version < self._highest_announced:
+            raise VersionOrderError(f"version {version} cannot be announced after {self._highest_announced}")
         for other in record.parts.values():
             m = other.manifest
             if m is not None and (m.layout.signature, m.transport) != (manifest.layout.signature, manifest.transport):

@@ -38,7 +38,7 @@ from weightpull import (
     TornReadError,
     Transport,
     TransportError,
-    VersionNotFoundError,
+    VersionOrderError,
     VersionState,
     WeightpullError,
     WhenFull,
@@ -192,27 +192,29 @@ class Model:
     """What the registry and the slots must hold, kept apart from the code under test."""
 
     clock: FakeClock
-    num_slots: int
-    slots: list[int | None] = attrs.field()  # the version each slot holds, or None
+    slots: dict[str, list[int | None]]  # the version each publisher's slot holds, or None
     states: dict[int, VersionState] = attrs.Factory(dict)  # versions not yet reclaimed
     contents: dict[int, dict[str, bytes]] = attrs.Factory(dict)
     newest: int | None = None  # the newest READY version
     announced: list[int] = attrs.Factory(list)
+    highest_begun: int = 0
     leases: dict[str, LeaseRecord] = attrs.Factory(dict)
-    writing: int | None = None  # the version a publish is copying in
     versions: itertools.count = attrs.Factory(lambda: itertools.count(1))
-
-    @slots.default
-    def _empty(self) -> list[int | None]:
-        return [None] * self.num_slots
 
     def live(self, version: int | None) -> list[LeaseRecord]:
         now = self.clock.now()
         return [r for r in self.leases.values() if r.lease.version == version and r.live(now)]
 
-    def free_slots(self) -> list[int]:
+    def free_slots(self, publisher: str) -> list[int]:
         """Slots a publisher may write: never the newest READY, never one leased."""
-        return [i for i, v in enumerate(self.slots) if v is None or (v != self.newest and not self.live(v))]
+        held = self.slots[publisher]
+        return [i for i, v in enumerate(held) if v is None or (v != self.newest and not self.live(v))]
+
+    def holds(self, version: int) -> bool:
+        return any(version in held for held in self.slots.values())
+
+    def holds_newest(self, publisher: str) -> bool:
+        return self.newest is not None and self.newest in self.slots[publisher]
 
     # Each of these is told what the code under test just did, and checks it.
 
@@ -233,19 +235,29 @@ class Model:
         if record.released_at is None:
             record.released_at = self.clock.now()
 
-    def slot_written(self, slot: int) -> None:
-        held = self.slots[slot]
-        if held is not None:
-            assert held != self.newest, f"slot {slot} was written while it held v{held}, the newest READY"
-            live = self.live(held)
-            assert not live, f"slot {slot} was written while live leases hold its v{held}: {live}"
-            self.states.pop(held, None)
-        assert self.writing is not None
-        self.slots[slot] = self.writing
-        self.states[self.writing] = VersionState.WRITING
+    def reclaimed(self, version: int) -> None:
+        assert version != self.newest, f"v{version}, the newest READY, was reclaimed"
+        live = self.live(version)
+        assert not live, f"v{version} was reclaimed while live leases hold it: {live}"
+        del self.states[version]
+        for held in self.slots.values():  # its slot holds nothing anyone may read now
+            held[:] = [None if v == version else v for v in held]
 
-    def committed(self, version: int, slot: int) -> None:
-        assert self.slots[slot] == version, f"v{version} announced in slot {slot}, which holds v{self.slots[slot]}"
+    def slot_written(self, publisher: str, slot: int, version: int) -> None:
+        held = self.slots[publisher][slot]
+        where = f"slot {slot} of {publisher}"
+        if held is not None:
+            assert held != self.newest, f"{where} was written while it held v{held}, the newest READY"
+            live = self.live(held)
+            assert not live, f"{where} was written while live leases hold its v{held}: {live}"
+            assert held not in self.states, f"{where} was written while the registry still has its v{held}"
+        self.slots[publisher][slot] = version
+        self.states[version] = VersionState.WRITING
+        self.highest_begun = max(self.highest_begun, version)
+
+    def committed(self, version: int, publisher: str, slot: int) -> None:
+        held = self.slots[publisher][slot]
+        assert held == version, f"v{version} announced in slot {slot} of {publisher}, which holds v{held}"
         assert not self.announced or version > self.announced[-1], f"v{version} announced after v{self.announced[-1]}"
         if self.newest is not None:
             self.states[self.newest] = VersionState.RETIRED
@@ -263,20 +275,42 @@ class Model:
 
 
 class ObservedAdapter(HostTensorAdapter):
-    """The publisher's copy into a slot, watched: the model checks every write before a
-    byte lands. `crash` makes the next copy fail halfway, as a lost device would."""
+    """A publisher's copy into a slot, watched: the model checks every write before a
+    byte lands. The copy takes `seconds` of fake time; `crash` makes the next one fail
+    after its first tensor, as a lost device would."""
 
-    def __init__(self, world: World) -> None:
-        self.world = world
+    def __init__(self, model: Model, clock: FakeClock) -> None:
+        self.model = model
+        self.clock = clock
+        self.publisher: Publisher | None = None
+        self.writing: int | None = None  # the version being published
+        self.seconds = 0.0
         self.crash = False
 
     async def write(self, items, region) -> None:
-        slot = next(s.index for s in self.world.publisher.slots if s.region is region)
-        self.world.model.slot_written(slot)
-        if self.crash:
-            await super().write(items[:1], region)
-            raise RuntimeError("injected: the device was lost mid-copy")
-        await super().write(items, region)
+        slot = next(s.index for s in self.publisher.slots if s.region is region)
+        self.model.slot_written(self.publisher.name, slot, self.writing)
+        for k, item in enumerate(items):
+            if self.crash and k == 1:
+                raise RuntimeError("injected: the device was lost mid-copy")
+            await super().write([item], region)
+            await self.clock.sleep(self.seconds / len(items))
+
+
+class PublisherLink:
+    """A publisher's line to the registry: the model hears of every reclaim (a slot is
+    reclaimed before its publish begins, which may still fail)."""
+
+    def __init__(self, registry: Registry, model: Model) -> None:
+        self.registry = registry
+        self.model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self.registry, name)
+
+    async def reclaim(self, version: int) -> None:
+        await self.registry.reclaim(version)
+        self.model.reclaimed(version)
 
 
 _GRANTS: contextvars.ContextVar[list[LeaseRecord]] = contextvars.ContextVar("grants")
@@ -447,25 +481,31 @@ class World:
     another driver between real processes later) and `make_registry()` the registry (a
     served one, which a `restart_registry` rule would restart, later)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, publishers: int = 1) -> None:
         self.clock = WorldClock()
         self.fabric = FakeFabric()
         self.registry = self.make_registry()
-        self.model = Model(self.clock, num_slots)
-        self.adapter = ObservedAdapter(self)
-        self.publisher = Publisher(
-            self.registry,
+        names = [f"trainer-{i}" for i in range(publishers)]
+        self.model = Model(self.clock, {name: [None] * num_slots for name in names})
+        self.publishers = [self._publisher(name, num_slots) for name in names]
+        self.publisher = self.publishers[0]
+        self._names = itertools.count()
+
+    def _publisher(self, name: str, num_slots: int) -> Publisher:
+        adapter = ObservedAdapter(self.model, self.clock)
+        adapter.publisher = Publisher(
+            PublisherLink(self.registry, self.model),
             self.transport(self.clock),
             num_slots=num_slots,
             rollout_dtype=None,
             bucket_bytes=BUCKET_BYTES,
             wait_timeout=WAIT_TIMEOUT,
             poll_interval=POLL,
-            name="trainer",
+            name=name,
             clock=self.clock,
-            adapter=self.adapter,
+            adapter=adapter,
         )
-        self._names = itertools.count()
+        return adapter.publisher
 
     def make_registry(self) -> Registry:
         return InProcessRegistry(self.clock)
@@ -484,40 +524,51 @@ class World:
 
     # -- publishing ------------------------------------------------------------------------
 
-    async def publish(self, layout: str, when_full: WhenFull, crash: bool = False) -> PublishResult | WeightpullError:
+    async def publish(
+        self, layout: str, when_full: WhenFull, crash: bool = False, publisher: Publisher | None = None
+    ) -> PublishResult | WeightpullError:
         """Publish the next version and check the outcome against the model."""
+        publisher = publisher or self.publisher
         version = next(self.model.versions)
         self.model.contents[version] = data = tensors(version, layout)
-        self.model.writing = version
-        self.publisher.when_full = when_full
-        self.adapter.crash = crash
+        publisher.adapter.writing = version
+        publisher.adapter.crash = crash
+        publisher.when_full = when_full
         started = self.clock.now()
         try:
-            outcome = await self.publisher.publish(version, {n: HostTensor("uint8", (len(b),), b) for n, b in data.items()})
+            outcome = await publisher.publish(version, {n: HostTensor("uint8", (len(b),), b) for n, b in data.items()})
         except WeightpullError as exc:
             if isinstance(exc.__cause__, AssertionError):  # the observer caught a bad write
                 raise exc.__cause__ from None
             outcome = exc
         waited = self.clock.now() - started
-        full = not self.model.free_slots()  # as the publisher saw it: nothing yielded since
-        note(f"publish: {type(outcome).__name__}{' after waiting' if waited else ''}")
+        free = self.model.free_slots(publisher.name)
+        full = not free  # as the publisher saw it: nothing yielded since
+        what = "skipped" if isinstance(outcome, PublishResult) and outcome.skipped else type(outcome).__name__
+        note(f"publish: {what}{' after waiting' if waited else ''}")
         if isinstance(outcome, PublishResult) and not outcome.skipped:
             assert not crash, "a publish whose copy failed was announced"
-            assert waited <= WAIT_TIMEOUT, f"publish blocked {waited} s, over its {WAIT_TIMEOUT} s bound"
-            self.model.committed(version, outcome.slot)
+            bound = WAIT_TIMEOUT + publisher.adapter.seconds
+            assert waited <= bound, f"publish blocked {waited} s, over its {WAIT_TIMEOUT} s bound and the copy"
+            self.model.committed(version, publisher.name, outcome.slot)
         elif isinstance(outcome, PublishResult):
-            assert when_full is WhenFull.SKIP and full, f"skipped with slots {self.model.free_slots()} free"
+            assert when_full is WhenFull.SKIP and full, f"skipped with slots {free} free"
         elif isinstance(outcome, SlotWaitTimeoutError):
-            assert when_full is WhenFull.WAIT and full, f"{outcome!r} with slots {self.model.free_slots()} free"
-            assert WAIT_TIMEOUT <= waited < WAIT_TIMEOUT + POLL, f"gave up after {waited} s"
+            assert when_full is WhenFull.WAIT and full, f"{outcome!r} with slots {free} free"
+            assert WAIT_TIMEOUT - 1e-9 <= waited < WAIT_TIMEOUT + POLL, f"gave up after {waited} s"
         elif isinstance(outcome, NoFreeSlotError):
-            assert when_full is WhenFull.FAIL and full, f"{outcome!r} with slots {self.model.free_slots()} free"
+            assert when_full is WhenFull.FAIL and full, f"{outcome!r} with slots {free} free"
         elif isinstance(outcome, PublishError) and crash:
             assert self.model.states[version] is VersionState.WRITING
             self.model.states[version] = VersionState.ABORTED
+        elif isinstance(outcome, VersionOrderError) and version in self.model.states:
+            # Another publisher announced a newer version while this one copied.
+            assert self.model.announced and self.model.announced[-1] > version, f"{outcome!r}"
+            self.model.states[version] = VersionState.ABORTED
+        elif isinstance(outcome, VersionOrderError):  # another publisher began a newer one first
+            assert self.model.highest_begun > version, f"{outcome!r}"
         else:
             raise AssertionError(f"publish of v{version} raised {outcome!r}")
-        self.model.writing = None
         return outcome
 
     async def withdraw(self) -> None:
@@ -558,7 +609,7 @@ class World:
         elif lapsed:  # the slot may have been rewritten or re-registered under the read
             stalled = reader.clock.froze or self.clock.stalls != reader.stalls
             assert stalled, f"{reader.name}: its lease lapsed though it never stalled: renewal failed"
-            rewritten = record.lease.version not in self.model.slots
+            rewritten = not self.model.holds(record.lease.version)
             note(f"pull: lapsed{', slot rewritten' if rewritten else ''} -> {type(outcome).__name__}")
             assert isinstance(outcome, (TornReadError, TransportError)), f"{reader.name}: lapsed lease gave {outcome!r}"
         elif failed:
@@ -576,13 +627,15 @@ class World:
         assert status.newest_ready == self.model.newest
         assert {v.version: v.state for v in status.versions} == self.model.states
         for v in status.versions:
-            assert self.model.slots[v.slot] == v.version, f"the registry places v{v.version} in slot {v.slot}"
+            held = self.model.slots[v.publisher][v.slot]
+            assert held == v.version, f"the registry places v{v.version} in slot {v.slot} of {v.publisher}, which holds v{held}"
         live = {i for i, r in self.model.leases.items() if r.live(now)}
         assert {x.id for x in status.leases} == live, "the registry and the readers disagree on live leases"
         if not publishing:
-            for slot in self.publisher.slots:
-                assert slot.state is not SlotState.WRITING, f"slot {slot.index} stuck WRITING"
-                assert slot.version == self.model.slots[slot.index]
+            for publisher in self.publishers:
+                for slot in publisher.slots:
+                    assert slot.state is not SlotState.WRITING, f"slot {slot.index} of {publisher.name} stuck WRITING"
+                    assert slot.version == self.model.slots[publisher.name][slot.index]
 
     async def check_no_leak(self) -> None:
         """Once every reader stopped and every TTL passed, nothing is leased, every slot
@@ -590,12 +643,10 @@ class World:
         assert (await self.registry.status()).leases == ()
         for version in sorted(self.model.states):
             if version != self.model.newest:
-                try:
-                    await self.registry.reclaim(version)
-                except VersionNotFoundError:
-                    raise AssertionError(f"v{version} vanished from the registry") from None
-                del self.model.states[version]
-        assert len(self.model.free_slots()) == self.model.num_slots - (self.model.newest is not None)
-        for _ in range(self.model.num_slots):
-            outcome = await self.publish("base", WhenFull.FAIL)
-            assert isinstance(outcome, PublishResult), f"a slot leaked: {outcome!r}"
+                await PublisherLink(self.registry, self.model).reclaim(version)
+        for publisher in self.publishers:
+            free = self.model.free_slots(publisher.name)
+            assert len(free) == len(publisher.slots) - self.model.holds_newest(publisher.name)
+            for _ in publisher.slots:
+                outcome = await self.publish("base", WhenFull.FAIL, publisher=publisher)
+                assert isinstance(outcome, PublishResult), f"a slot of {publisher.name} leaked: {outcome!r}"

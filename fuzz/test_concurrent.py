@@ -1,5 +1,5 @@
-"""The protocol in real concurrency: a trainer, readers and a lease hoarder run as anyio
-tasks on one fake clock that jumps whenever every task waits (the harness' `autojump`,
+"""The protocol in real concurrency: one or two trainers (each its own publisher), readers,
+a lease hoarder and a version waiter run as anyio tasks on one fake clock that jumps whenever every task waits (the harness' `autojump`,
 which also fails the run if all wait with no timer pending: a hang).
 
 Hypothesis draws each actor's program; the interleaving is whatever the awaits make of
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightpull import NoReadyVersionError, VersionWaitTimeoutError, WhenFull
+from weightpull import NoReadyVersionError, Publisher, VersionWaitTimeoutError, WhenFull
 
 from .harness import FAULTS, LAYOUTS, TTL, Hang, World, autojump
 from .profiles import PROFILE
@@ -62,7 +62,7 @@ class Wait:
 @attrs.frozen
 class Scenario:
     num_slots: int
-    trainer: tuple[Publish, ...]
+    trainers: tuple[tuple[float, tuple[Publish, ...]], ...]  # one publisher each: (copy seconds, program)
     readers: tuple[tuple[float | None, tuple[Pull, ...]], ...]  # (bandwidth, pulls)
     hoarder: tuple[Hold, ...]
     waiter: tuple[Wait, ...]
@@ -92,20 +92,25 @@ links = st.none() | st.sampled_from([NBYTES / TTL, 2 * NBYTES / TTL, NBYTES / (2
 scenarios = st.builds(
     Scenario,
     st.integers(2, 3),
-    st.lists(publishes, min_size=1, max_size=10).map(tuple),
+    st.lists(
+        st.tuples(st.sampled_from([0.0, 0.5, 2.0, 5.0]), st.lists(publishes, min_size=1, max_size=10).map(tuple)),
+        min_size=1,
+        max_size=2,
+    ).map(tuple),
     st.lists(st.tuples(links, st.lists(pulls, min_size=1, max_size=6).map(tuple)), min_size=1, max_size=3).map(tuple),
     st.lists(st.builds(Hold, half_seconds, half_seconds.map(lambda s: 2 * s), st.booleans()), max_size=4).map(tuple),
     st.lists(st.builds(Wait, half_seconds, st.integers(0, 2), half_seconds.map(lambda s: 2 * s)), max_size=4).map(tuple),
 )
 
 
-async def trainer(world: World, program: tuple[Publish, ...]) -> None:
+async def trainer(world: World, publisher: Publisher, copy_seconds: float, program: tuple[Publish, ...]) -> None:
+    publisher.adapter.seconds = copy_seconds
     for step in program:
         await world.clock.sleep(step.pause)
-        await world.publish(step.layout, step.when_full, step.crash)
+        await world.publish(step.layout, step.when_full, step.crash, publisher)
         if step.withdraw and world.model.newest is not None:
             await world.withdraw()
-        await world.check()
+        await world.check(publishing=len(world.publishers) > 1)
 
 
 async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...]) -> None:
@@ -181,12 +186,13 @@ async def waiter(world: World, program: tuple[Wait, ...]) -> None:
 
 
 async def play(scenario: Scenario) -> None:
-    world = World(scenario.num_slots)
+    world = World(scenario.num_slots, publishers=len(scenario.trainers))
     clock = world.clock
 
     async def actors() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer, world, scenario.trainer)
+            for publisher, (copy_seconds, program) in zip(world.publishers, scenario.trainers):
+                tg.start_soon(trainer, world, publisher, copy_seconds, program)
             for bandwidth, program in scenario.readers:
                 tg.start_soon(reader, world, bandwidth, program)
             tg.start_soon(hoarder, world, scenario.hoarder)

@@ -42,6 +42,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.loop = Loop(self.world.clock)
         self.readers = [self.world.reader() for _ in range(readers)]
         self.by_hand = ReaderLink(self.world.registry, self.world.model)
+        self.loop.run(self.world.publish, "base", WhenFull.FAIL)  # a version to read from the start
 
     # -- helpers ---------------------------------------------------------------------------
 

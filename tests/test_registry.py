@@ -71,6 +71,19 @@ async def test_versions_strictly_increase(reg):
         await reg.commit(manifest(6, 2))
 
 
+async def test_a_withdrawn_version_still_bars_older_ones(reg):
+    """Regression (found by fuzz/test_concurrent.py, two trainers): once the newest READY
+    was withdrawn, an older version still WRITING could be announced after it, and
+    readers that had applied v7 were offered v6 as the newest."""
+    await reg.begin(6, publisher="pub", slot=0)
+    await reg.begin(7, publisher="pub2", slot=0)
+    await reg.commit(manifest(7, 0, "pub2"))
+    await reg.retire(7)
+    with pytest.raises(VersionOrderError, match="after 7"):
+        await reg.commit(manifest(6, 0))
+    assert await reg.newest() is None
+
+
 async def test_a_failed_publish_ends_aborted_and_keeps_the_previous_ready(reg):
     await publish(reg, 1)
     await reg.begin(2, publisher="pub", slot=2)
