@@ -1,10 +1,11 @@
 """What the fuzzers hold weightpull to: a model of the protocol, and observers that check
 the real registry, publisher and pullers against it as they run. Test code only.
 
-`World` wires one registry, one publisher and any number of reader processes on one
-`FakeClock`. The model learns of every lease through each reader's `ReaderLink` and of
-every slot write through `ObservedAdapter`, and asserts at once when a write lands on a
-slot whose version a live lease still holds.
+`World` wires one registry, one or more publishers and any number of reader processes on
+one fake clock. The model learns of every lease through each reader's `ReaderLink`, of
+every reclaim through each publisher's `PublisherLink` and of every slot write through
+its `ObservedAdapter`, and asserts at once when a write lands on a slot whose version a
+live lease still holds.
 """
 
 from __future__ import annotations
@@ -452,14 +453,13 @@ class Reader:
     applied: int = 0  # the newest version it pulled whole: they only go up
     task: asyncio.Task | None = None  # the state machine's pull in flight
     scope: anyio.CancelScope | None = None
-    last: Pull | None = None
 
     @property
     def busy(self) -> bool:
         return self.task is not None
 
     async def pull(self) -> Pull:
-        self.last = run = Pull()
+        run = Pull()
         _GRANTS.set(run.granted)
         with anyio.CancelScope() as self.scope:
             try:
@@ -475,7 +475,7 @@ class Reader:
 
 
 class World:
-    """A registry, a publisher and reader processes on one fake clock, with the model.
+    """A registry, publishers and reader processes on one fake clock, with the model.
 
     Seams: `transport()` makes each process's transport endpoint (here the fake driver;
     another driver between real processes later) and `make_registry()` the registry (a
