@@ -114,6 +114,47 @@ class Transport(ABC):
         await self.aclose()
 
 
+class WrappedTransport(Transport):
+    """A transport that passes everything to `inner`. Wrappers (injected faults, GPU
+    staging) subclass it and override only what they change; manifests name the inner
+    driver, so a wrapped reader pulls what a plain publisher of that driver published."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+
+    @property  # type: ignore[misc]
+    def reads_into_gpu(self) -> bool:
+        return self.inner.reads_into_gpu
+
+    def allocate(self, nbytes: int, device: str = "cpu") -> Region:
+        return self.inner.allocate(nbytes, device)
+
+    def register(self, memory: Any, device: str = "cpu") -> Region:
+        return self.inner.register(memory, device)
+
+    def deregister(self, region: Region) -> None:
+        self.inner.deregister(region)
+
+    def export(self, region: Region) -> bytes:
+        return self.inner.export(region)
+
+    def connect(self, descriptor: bytes) -> Remote:
+        return self.inner.connect(descriptor)
+
+    def disconnect(self, remote: Remote) -> None:
+        self.inner.disconnect(remote)
+
+    async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
+        await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
+
+    async def serve(self) -> None:
+        await self.inner.serve()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 def check_span(what: str, offset: int, nbytes: int, size: int) -> None:
     """Raise unless [offset, offset + nbytes) lies inside a region of `size` bytes."""
     if offset < 0 or nbytes < 0 or offset + nbytes > size:

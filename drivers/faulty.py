@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import attrs
 
 from weightpull.clock import Clock, MonotonicClock
 from weightpull.errors import TransportError
-from weightpull.transport import Region, Remote, Transport
+from weightpull.transport import Region, Remote, Transport, WrappedTransport
 
 CHUNK = 16 << 20  # a capped link paces (and can be cancelled) chunk by chunk
 _SCRIBBLE = 64  # bytes of a torn read that come out different
@@ -90,34 +89,15 @@ class FaultInjector:
             time.sleep(seconds)
 
 
-class FaultyTransport(Transport):
+class FaultyTransport(WrappedTransport):
     """`inner`, with `faults` applied to every read. Manifests name `inner`'s driver, so
     a faulty reader pulls what a healthy publisher of that driver published."""
 
     def __init__(self, inner: Transport, faults: Faults | None = None, *, clock: Clock | None = None) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.faults = faults or Faults()
         self.clock = clock or MonotonicClock()
         self._injector = FaultInjector(self.clock)
-
-    def allocate(self, nbytes: int, device: str = "cpu") -> Region:
-        return self.inner.allocate(nbytes, device)
-
-    def register(self, memory: Any, device: str = "cpu") -> Region:
-        return self.inner.register(memory, device)
-
-    def deregister(self, region: Region) -> None:
-        self.inner.deregister(region)
-
-    def export(self, region: Region) -> bytes:
-        return self.inner.export(region)
-
-    def connect(self, descriptor: bytes) -> Remote:
-        return self.inner.connect(descriptor)
-
-    def disconnect(self, remote: Remote) -> None:
-        self.inner.disconnect(remote)
 
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         async def copy(start: int, stop: int) -> None:
@@ -125,9 +105,6 @@ class FaultyTransport(Transport):
 
         dst = None if local.view is None else local.view[local_offset : local_offset + nbytes]
         await self._injector.read(self.faults, nbytes, copy, dst)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def __repr__(self) -> str:
         return f"FaultyTransport({self.inner!r}, {self.faults!r})"

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from weightpull.errors import InvalidArgumentError
-from weightpull.transport import Region, Remote, Transport, check_span
+from weightpull.transport import Region, Remote, Transport, WrappedTransport, check_span
 
 _POLL_S = 0.0001  # how often a read waits on its copy's CUDA event
 
@@ -31,12 +31,11 @@ class _Staged:
     host: torch.Tensor  # pinned, as long as the GPU region
 
 
-class HostStaged(Transport):
+class HostStaged(WrappedTransport):
     reads_into_gpu = True  # its own copies land each read on the GPU
 
     def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.name = inner.name  # type: ignore[misc]  # manifests name the wire driver
+        super().__init__(inner)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._staged: dict[Region, _Staged] = {}
 
@@ -70,12 +69,6 @@ class HostStaged(Transport):
             raise InvalidArgumentError("a staged GPU region is a reader's mirror; publish from host or plain GPU memory")
         return self.inner.export(region)
 
-    def connect(self, descriptor: bytes) -> Remote:
-        return self.inner.connect(descriptor)
-
-    def disconnect(self, remote: Remote) -> None:
-        self.inner.disconnect(remote)
-
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         if local not in self._staged:
             return await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
@@ -100,9 +93,6 @@ class HostStaged(Transport):
             done.record()
         while not done.query():  # the next bucket's host read runs meanwhile
             await anyio.sleep(_POLL_S)
-
-    async def serve(self) -> None:
-        await self.inner.serve()
 
     async def aclose(self) -> None:
         self._staged.clear()

@@ -77,3 +77,17 @@ async def test_a_puller_over_any_wrapped_driver_rejects_a_torn_read(world):
 
 def test_the_fake_driver_injects_the_same_faults():
     assert FakeFaults is Faults
+
+
+async def test_the_wrapper_passes_the_owners_progress_and_gpu_traits_through():
+    served = []
+
+    class Owner(FakeTransport):
+        reads_into_gpu = True
+
+        async def serve(self):
+            served.append(True)
+
+    faulty = FaultyTransport(Owner(fabric=FakeFabric()))
+    await faulty.serve()
+    assert served == [True] and faulty.reads_into_gpu and faulty.name == "fake"
