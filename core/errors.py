@@ -53,7 +53,8 @@ class VersionInUseError(RegistryError):
 
 
 class LeaseNotFoundError(RegistryError, LookupError):
-    """The registry knows no such lease (released, expired and swept, or never granted)."""
+    """The registry knows no such lease: never granted, pruned, or forgotten with its
+    reclaimed version. (Renewing a released one is an `InvalidTransitionError`.)"""
 
 
 class LeaseExpiredError(RegistryError):

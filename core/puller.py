@@ -114,6 +114,8 @@ class Puller:
         self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
         self.ttl = ttl
         self.renew_every = renew_every or ttl / 3
+        if not 0 < self.renew_every < ttl:  # else every read longer than the TTL is torn
+            raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
         self.device = device
         self.verify_digests = verify_digests
         self.clock = clock or MonotonicClock()

@@ -183,3 +183,8 @@ async def test_overlapping_pulls_each_hand_on_one_whole_version(world):
             await pub.publish(2, host_tensors(2))
             tg.start_soon(pull)
     assert copies == {v: {n: t.data for n, t in host_tensors(v).items()} for v in (1, 2)}
+
+
+async def test_a_renewal_interval_at_or_past_the_ttl_is_refused(world):
+    with pytest.raises(InvalidArgumentError, match="renew_every"):
+        world.puller(ttl=5.0, renew_every=5.0)
