@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import anyio
 import attrs
 
-from .errors import InvalidArgumentError, RegionNotRegisteredError
+from .errors import InvalidArgumentError, RegionNotRegisteredError, TransportError
 
 
 @attrs.define(eq=False)
@@ -112,6 +112,25 @@ class Transport(ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class RegionTable:
+    """What most drivers keep about themselves: the regions this endpoint registered
+    (by handle) and whether it is closed. Mixed into a driver beside `Transport`."""
+
+    name: ClassVar[str]
+    _regions: dict[Any, Region]
+    _closed: bool
+
+    def _mine(self, region: Region, doing: str) -> Any:
+        """The region's handle, if this endpoint registered it."""
+        if self._regions.get(region.handle) is not region:
+            raise RegionNotRegisteredError(f"cannot {doing} a local region this {self.name} transport has not registered")
+        return region.handle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"this {self.name} transport is closed")
 
 
 class WrappedTransport(Transport):

@@ -41,7 +41,7 @@ from weightpull.errors import (
     RegionNotRegisteredError,
     TransportError,
 )
-from weightpull.transport import Region, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
 
 _LAZY_ENABLE_PEER_ACCESS = 0x1
 _STREAM_NON_BLOCKING = 0x1
@@ -410,7 +410,7 @@ def _device_index(device: str) -> int:
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(RegionTable, Transport):
     name = "cuda_ipc"
     reads_into_gpu = True
 
@@ -626,15 +626,6 @@ class CudaIpcTransport(Transport):
         return lane, reg.pointer + local_offset, source
 
     # -- lifetime ------------------------------------------------------------------------
-
-    def _mine(self, region: Region, doing: str) -> _Registration:
-        if self._regions.get(region.handle) is not region:
-            raise RegionNotRegisteredError(f"cannot {doing} a local region this cuda_ipc transport has not registered")
-        return region.handle
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("this cuda_ipc transport is closed")
 
     async def aclose(self) -> None:
         if self._closed:

@@ -38,7 +38,7 @@ from weightpull.errors import (
     TransportError,
     WeightpullError,
 )
-from weightpull.transport import Region, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _describe(memory: Any, device: str) -> tuple[int, int, int, str, str, memory
     return addr, view.nbytes, 0, "DRAM", "cpu", view
 
 
-class NixlTransport(Transport):
+class NixlTransport(RegionTable, Transport):
     name = "nixl"
 
     def __init__(
@@ -373,15 +373,6 @@ class NixlTransport(Transport):
                 with nixl_errors("making progress"):
                     self._agent.get_new_notifs()
             await anyio.sleep(self.progress_interval)
-
-    def _mine(self, region: Region, doing: str) -> _Registration:
-        if self._regions.get(region.handle) is not region:
-            raise RegionNotRegisteredError(f"cannot {doing} a local region this nixl transport has not registered")
-        return region.handle
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("this nixl transport is closed")
 
     async def aclose(self) -> None:
         """Release every prepared transfer, registration and peer. The agent itself goes

@@ -36,7 +36,7 @@ from weightpull.errors import (
     TransportError,
     WeightpullError,
 )
-from weightpull.transport import Region, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _flat(memory: Any, device: str) -> tuple[Any, memoryview | None, str]:
     return flat, view, "cpu"
 
 
-class TorchTransport(Transport):
+class TorchTransport(RegionTable, Transport):
     name = "torch"
 
     def __init__(self, *, timeout: float = 60.0, progress_interval: float = 0.001) -> None:
@@ -310,15 +310,6 @@ class TorchTransport(Transport):
                 with torch_errors("making progress"):
                     agent.get_new_notifs()
             await anyio.sleep(self.progress_interval)
-
-    def _mine(self, region: Region, doing: str) -> _Registration:
-        if self._regions.get(region.handle) is not region:
-            raise RegionNotRegisteredError(f"cannot {doing} a local region this torch transport has not registered")
-        return region.handle
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("this torch transport is closed")
 
     async def aclose(self) -> None:
         if self._closed:
