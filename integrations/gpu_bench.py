@@ -34,31 +34,14 @@ import torch
 
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, create_transport
 from weightpull.bench import parse_size
+from weightpull.integrations.bench.presets import PRESETS
 from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.layout import Layout
 
 
 def qwen3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """Qwen3-8B's 399 weights: hidden 4096, intermediate 12288, 36 layers, 32 query and 8
-    key/value heads of dim 128 with q/k norms, vocabulary 151936, lm_head not tied."""
-    hidden, inter, layers, heads, kv_heads, head_dim, vocab = 4096, 12288, 36, 32, 8, 128, 151936
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (hidden,)),
-            (p + "self_attn.q_proj.weight", (heads * head_dim, hidden)),
-            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
-            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
-            (p + "self_attn.o_proj.weight", (hidden, heads * head_dim)),
-            (p + "self_attn.q_norm.weight", (head_dim,)),
-            (p + "self_attn.k_norm.weight", (head_dim,)),
-            (p + "post_attention_layernorm.weight", (hidden,)),
-            (p + "mlp.gate_proj.weight", (inter, hidden)),
-            (p + "mlp.up_proj.weight", (inter, hidden)),
-            (p + "mlp.down_proj.weight", (hidden, inter)),
-        ]
-    return shapes + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    """Qwen3-8B's 399 weights, from the bench's one shape generator."""
+    return PRESETS["8b"].shapes()
 
 
 def make_tensors(shapes: list[tuple[str, tuple[int, ...]]], device: str, seed: int = 0) -> dict[str, torch.Tensor]:
