@@ -53,7 +53,9 @@ def nixl_api() -> Any:
     """NIXL's `_api` module, from whichever build is installed."""
     global _api
     if _api is None:
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # else it logs INFO lines to stdout
+        # Both log to stdout by default, which would break `--json` (its last line).
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        os.environ.setdefault("UCX_LOG_FILE", "stderr")
         failures = []
         for name in API_MODULES:
             try:

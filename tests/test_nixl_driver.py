@@ -4,6 +4,8 @@ and a publish and pull between two processes."""
 
 import os
 import signal
+import subprocess
+import sys
 
 import anyio
 import pytest
@@ -153,3 +155,17 @@ async def test_publisher_serve_delegates_to_the_transport():
         await publisher.serve()
     assert scope.cancelled_caught  # nixl's serve runs until cancelled
     await publisher.transport.aclose()
+
+
+def test_ucx_logs_go_to_stderr_not_stdout():
+    """The demo and bench print JSON as stdout's last line; a UCX error (a peer that
+    died) must not land after it."""
+    code = (
+        "import os; os.environ['UCX_LOG_LEVEL'] = 'info'\n"
+        "from weightpull.drivers.nixl import NixlTransport\n"
+        "t = NixlTransport(); t.export(t.allocate(4096)); print('done')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_LOG_FILE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "done\n" and "UCX" in out.stderr
