@@ -11,8 +11,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'cpus', __import__('os').cpu_count())"
 
-echo "=== tests: WEIGHTPULL_DRIVERS=cuda_ipc pytest tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py"
-WEIGHTPULL_DRIVERS=cuda_ipc timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider --timeout=90 \
+echo "=== tests: WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host pytest tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py"
+WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider --timeout=90 \
     tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py 2>&1 | tail -40
 echo "tests exit ${PIPESTATUS[0]}"
 

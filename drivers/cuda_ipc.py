@@ -1,17 +1,23 @@
-"""The `cuda_ipc` driver: the same-host GPU fast path, over CUDA's driver API (ctypes).
+"""The `cuda_ipc` driver: the same-host fast path, over CUDA's driver API (ctypes).
 
 A GPU slot is a plain device allocation (`cuMemAlloc`; CUDA IPC cannot export the caching
 allocator's expandable segments), exported once as a CUDA IPC handle. A reader process
 opens each handle once, per GPU it reads into, and reads with device copies on a stream
-of its own; every read awaits the event recorded after its copy, so all bytes have landed
-before the puller checks its lease. A reader on another GPU of the host maps the handle
-with peer access and copies peer-to-peer. Host regions (a reader's host mirror) are
-page-locked on registration and read into by device-to-host copies.
+of its own; a batch of reads awaits the event recorded after its last copy, so all bytes
+have landed before the puller checks its lease. A reader on another GPU of the host maps
+the handle with peer access and copies peer-to-peer.
+
+A host slot is shared memory (a file in /dev/shm), page-locked by its owner and, read-only,
+by each reader process, which maps it once: a reader's GPU then pulls it by DMA at the
+host-to-device limit, with no copy through the CPU. Host regions that are not exported
+(a reader's host mirror) are page-locked on registration.
 
 CUDA keeps a handle mapped in a reader whatever its owner does, so the owner's liveness
-travels beside it: a small file per exported region (in /dev/shm) on which the owner holds
-an exclusive lock while the region is exported, with a byte saying why it let go. A read
-checks it first: deregistered -> `RegionNotRegisteredError`; closed or died -> `PeerGoneError`.
+travels beside it: a small file per exported region (in /dev/shm; a host slot's bytes
+follow in the same file) on which the owner holds an exclusive lock while the region is
+exported, with a byte saying why it let go. A read checks it first: deregistered ->
+`RegionNotRegisteredError`; closed or died -> `PeerGoneError`. Files of owners that died
+without closing are removed by the next transport made on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
 import time
+import warnings
 import uuid
 import weakref
 from collections import deque
@@ -47,14 +55,17 @@ _LAZY_ENABLE_PEER_ACCESS = 0x1
 _STREAM_NON_BLOCKING = 0x1
 _EVENT_DISABLE_TIMING = 0x2
 _HOSTREGISTER_PORTABLE = 0x1
+_HOSTREGISTER_READ_ONLY = 0x8
 _POINTER_MEMORY_TYPE = 2
 _MEMORYTYPE_HOST = 1
 _NOT_READY = 600
 _ALREADY_REGISTERED = 712
 _SPIN_S = 0.002
+_MERGE_UP_TO = 1 << 30  # adjacent reads go as one copy up to this; the stream starts on the first meanwhile
 _FILE_PREFIX = "weightpull-cuda-ipc-"
 _RECORD = struct.Struct("<c7xQ")  # state, exported bytes
 _EXPORTED, _DEREGISTERED, _CLOSED = b"A", b"D", b"C"
+_DATA_OFFSET = mmap.ALLOCATIONGRANULARITY  # where a host slot's bytes start in its file
 
 
 class _Handle(ctypes.Structure):
@@ -90,6 +101,7 @@ class _Cuda:
             "cuMemcpyAsync": [u64, u64, size, ptr],
             "cuStreamCreate": [ctypes.POINTER(ptr), ctypes.c_uint],
             "cuStreamDestroy_v2": [ptr],
+            "cuStreamSynchronize": [ptr],
             "cuEventCreate": [ctypes.POINTER(ptr), ctypes.c_uint],
             "cuEventRecord": [ptr, ptr],
             "cuEventQuery": [ptr],
@@ -198,18 +210,28 @@ class _Registration:
     pinned: bool = False  # page-locked by us, to undo
     owner: Any = None  # the allocation, when this driver made it: kept while registered
     export: _OwnerFile | None = None
-    ipc: bytes = b""  # the CUDA IPC handle, once exported
+    key: str = ""  # what readers map, once exported: the IPC handle (hex) or the host slot's file
     descriptor: bytes | None = None
 
 
 class _OwnerFile:
-    """The owner's side of an exported region's liveness file: locked while exported."""
+    """The owner's side of an exported region's liveness file: locked while exported. With
+    `data`, the file also holds the region's bytes (a host slot), mapped at `self.data`."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, data: bool = False) -> None:
         self.path = os.path.join(_files_dir(), f"{_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         os.pwrite(self.fd, _RECORD.pack(_EXPORTED, nbytes), 0)
+        self.data: Any = None
+        if data:
+            try:  # reserve it all now: a full /dev/shm fails here, not as SIGBUS mid-copy
+                os.posix_fallocate(self.fd, 0, _DATA_OFFSET + nbytes)
+            except OSError as exc:
+                self.release(_CLOSED)
+                raise TransportError(f"cannot reserve {nbytes} bytes of shared memory in {_files_dir()}: "
+                                     f"{os.strerror(exc.errno or 0)}") from None
+            self.data = mmap.mmap(self.fd, nbytes, offset=_DATA_OFFSET) if nbytes else bytearray()
 
     def release(self, state: bytes) -> None:
         """Say why, then let go: readers see it at their next read."""
@@ -222,17 +244,79 @@ class _OwnerFile:
         self.fd = -1
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def sweep_dead_owners(directory: str | None = None) -> list[str]:
+    """Remove the files of owners that died without closing (SIGKILL, say): a host slot's
+    holds gigabytes of shared memory. A file goes when its owner's process is gone and no
+    one holds its lock; a reader that still has it open reads `PeerGoneError`."""
+    directory = directory or _files_dir()
+    removed = []
+    for name in os.listdir(directory):
+        pid = name.removeprefix(_FILE_PREFIX).split("-")[0]
+        if not name.startswith(_FILE_PREFIX) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # locked after all (another pid namespace), or already gone
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+class _Libc:
+    """mmap(2) and munmap(2): a read-only shared mapping, by address (Python's mmap cannot
+    hand out the address of a read-only map)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        self.mmap, self.munmap = lib.mmap, lib.munmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+    def map_read_only(self, fd: int, nbytes: int, offset: int) -> int:
+        address = self.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise TransportError(f"mapping {nbytes} bytes of a host slot: {os.strerror(ctypes.get_errno())}")
+        return address
+
+
+_libc = _Libc()
+
+
 @attrs.define(eq=False)
 class _Import:
     """`Remote.handle`: a peer's exported region, as this process sees it."""
 
-    handle: bytes
-    offset: int  # of the region in the exported allocation
+    handle: bytes  # the CUDA IPC handle; empty for a host slot
+    offset: int  # of the region in the exported allocation (or file)
     exported: int  # bytes, as the owner's file records them
     owner_pid: int
     fd: int  # the owner's file, read-only
+    path: str
+    host: bool = False  # a host slot, mapped from the owner's file
     devices: set[int] = attrs.Factory(set)  # where this remote holds a mapping
+    mapped_host: bool = False
     connected: bool = True
+    # what the owner exported: mapped once per process, however many remotes use it
+    key: str = attrs.field(init=False, default=attrs.Factory(lambda s: s.path if s.host else s.handle.hex(), takes_self=True))
 
     def check_owner(self, what: str) -> None:
         try:
@@ -245,17 +329,20 @@ class _Import:
         raise PeerGoneError(f"{what}: its owner closed its transport or exited")
 
 
-# Per process: a handle is opened once per (handle, device) however many remotes use it,
-# and a handle exported by this very process is read through its own pointer.
-_mappings: dict[tuple[bytes, int], list[int]] = {}  # -> [pointer, users]
-_exported: dict[bytes, int] = {}  # handle -> base pointer
+# Per process: an export is mapped once per (key, device) however many remotes use it (a
+# host slot once, device -1), and one exported by this very process is read in place.
+_mappings: dict[tuple[str, int], list[int]] = {}  # -> [pointer, users]
+_exported: dict[str, int] = {}  # key -> base pointer
+_host_lock = threading.Lock()  # host slots are mapped from worker threads
 
 
 def _map(imp: _Import, device: int) -> int:
     """The base pointer of `imp`'s allocation in `device`'s address space."""
-    if imp.handle in _exported and imp.owner_pid == os.getpid():
-        return _exported[imp.handle]
-    key = (imp.handle, device)
+    if imp.key in _exported and imp.owner_pid == os.getpid():
+        return _exported[imp.key]
+    if imp.host:
+        return _mappings[(imp.key, -1)][0]  # `_map_host` ran first
+    key = (imp.key, device)
     entry = _mappings.get(key)
     if entry is None:
         cu = cuda()
@@ -276,19 +363,55 @@ def _map(imp: _Import, device: int) -> int:
     return entry[0]
 
 
+def _map_host(imp: _Import, device: int) -> None:
+    """Map a host slot read-only and page-lock it, once per process: seconds for gigabytes,
+    so the caller runs it in a worker thread."""
+    with _host_lock:
+        if imp.mapped_host or not imp.connected or (imp.key in _exported and imp.owner_pid == os.getpid()):
+            return
+        key = (imp.key, -1)
+        entry = _mappings.get(key)
+        if entry is None:
+            if os.fstat(imp.fd).st_size < imp.offset + imp.exported:
+                raise RegionNotRegisteredError(f"the host slot's file is shorter than the {imp.exported} bytes exported")
+            address = _libc.map_read_only(imp.fd, imp.exported, imp.offset)
+            cu = cuda()
+            with cu.on(device):
+                result = cu.cuMemHostRegister_v2(address, imp.exported, _HOSTREGISTER_PORTABLE | _HOSTREGISTER_READ_ONLY)
+            if result:  # still readable, through the driver's own bounce buffers: slower
+                warnings.warn(f"cuda_ipc: cannot page-lock a read-only host slot ({cu.error_name(result)}); "
+                              "reads from it run below DMA speed", RuntimeWarning, stacklevel=2)
+            entry = _mappings[key] = [address, 0, -1 if result else device]  # where it is pinned
+        entry[1] += 1
+        imp.mapped_host = True
+
+
 def _unmap(imp: _Import) -> None:
-    for device in imp.devices:
-        entry = _mappings.get((imp.handle, device))
+    with _host_lock:  # not while a worker thread maps it
+        _unmap_locked(imp)
+
+
+def _unmap_locked(imp: _Import) -> None:
+    keys = [(imp.key, d) for d in imp.devices] + ([(imp.key, -1)] if imp.mapped_host else [])
+    for key in keys:
+        entry = _mappings.get(key)
         if entry is None:
             continue
         entry[1] -= 1
         if entry[1] == 0:
-            del _mappings[(imp.handle, device)]
+            del _mappings[key]
             with contextlib.suppress(Exception):
                 cu = cuda()
-                with cu.on(device):
-                    cu.cuIpcCloseMemHandle(entry[0])
+                if key[1] >= 0:
+                    with cu.on(key[1]):
+                        cu.cuIpcCloseMemHandle(entry[0])
+                    continue
+                if entry[2] >= 0:
+                    with cu.on(entry[2]):
+                        cu.cuMemHostUnregister(entry[0])
+                _libc.munmap(entry[0], imp.exported)
     imp.devices.clear()
+    imp.mapped_host = False
 
 
 @attrs.define(eq=False)
@@ -323,7 +446,8 @@ class _Lane:
         self._polling = False
 
     def copy(self, dst: int, src: int, nbytes: int) -> _Wait:
-        """Queue the copy and an event after it; no wait. Raises with CUDA's error name."""
+        """Queue a copy and an event after it; no wait. Raises with CUDA's error name.
+        (An event per copy, not per batch: each one landing keeps the poller spinning.)"""
         cu = cuda()
         cu.cuCtxPushCurrent_v2(self.context)
         try:
@@ -332,14 +456,22 @@ class _Lane:
                 cu.check(cu.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "creating an event")
                 self._all.append(event)
                 self._free.append(event)
-            event = self._free.pop()
-            cu.check(cu.cuMemcpyAsync(dst, src, nbytes, self.stream), "queueing the copy")
+            event = self._free[-1]
+            cu.check(cu.cuMemcpyAsync(dst, src, nbytes, self.stream), f"queueing a copy of {nbytes} bytes")
             cu.check(cu.cuEventRecord(event, self.stream), "queueing its event")
+            self._free.pop()
         finally:
             cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         wait = _Wait(event)
         self._queue.append(wait)
         return wait
+
+    def drain(self) -> None:
+        """Block until every copy queued so far landed (milliseconds): a read that failed
+        half-queued returns only once nothing more lands in its caller's memory."""
+        cu = cuda()
+        with contextlib.suppress(TransportError), cu.on(self.device):
+            cu.cuStreamSynchronize(self.stream)
 
     async def fence(self, wait: _Wait) -> None:
         """Return once the copy landed (and so every copy queued before it)."""
@@ -423,6 +555,7 @@ class CudaIpcTransport(RegionTable, Transport):
         self._imports: set[_Import] = set()
         self._lanes: dict[int, _Lane] = {}
         self._closed = False
+        sweep_dead_owners()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -447,9 +580,18 @@ class CudaIpcTransport(RegionTable, Transport):
     # -- registration ---------------------------------------------------------------------
 
     def allocate(self, nbytes: int, device: str = "cpu") -> Region:
-        """A GPU region is a plain device allocation, exportable; a host one is page-locked."""
+        """A GPU region is a plain device allocation; a host one is page-locked shared memory.
+        Both are exportable."""
         if device == "cpu":
-            return self.register(mmap.mmap(-1, nbytes) if nbytes else bytearray())
+            self._check_open()
+            shared = _OwnerFile(nbytes, data=True)
+            try:
+                region = self.register(shared.data)
+            except BaseException:
+                shared.release(_CLOSED)
+                raise
+            region.handle.export = shared  # the file is the region: it goes when the region does
+            return region
         if not (device == "cuda" or device.startswith("cuda:")):
             raise InvalidArgumentError(f"cuda_ipc transport cannot allocate on {device!r} (cpu or cuda[:N])")
         index = _device_index(device)
@@ -514,48 +656,63 @@ class CudaIpcTransport(RegionTable, Transport):
         reg = region.handle
         if self._regions.pop(reg, None) is None:
             return
-        if reg.export is not None:
-            _exported.pop(reg.ipc, None)
-            reg.export.release(_DEREGISTERED)
         if reg.pinned:
             cu = cuda()
             with cu.on(self.device):
                 cu.check(cu.cuMemHostUnregister(reg.pointer), f"unpinning {region.nbytes} bytes of host memory")
             reg.pinned = False
+        if reg.export is not None:
+            _exported.pop(reg.key, None)
+            reg.export.release(_DEREGISTERED)
 
     def export(self, region: Region) -> bytes:
         """Export once: the same descriptor every time after."""
         reg = self._mine(region, "export")
-        if reg.device is None:
-            raise InvalidArgumentError("cuda_ipc exports GPU memory only: allocate the slot on a GPU (device='cuda')")
         if reg.descriptor is None:
-            offset = 0
-            if region.nbytes:
-                cu = cuda()
-                with cu.on(reg.device):
-                    base, _ = cu.address_range(reg.pointer) or (reg.pointer, 0)
-                    raw = _Handle()
-                    result = cu.cuIpcGetMemHandle(ctypes.byref(raw), base)
-                if result:
-                    raise InvalidArgumentError(
-                        f"CUDA cannot export that memory ({cu.error_name(result)}): CUDA IPC exports plain "
-                        "device allocations, not expandable segments; let this transport allocate the slot")
-                reg.ipc, offset = bytes(raw), reg.pointer - base  # all 64 bytes, NULs too
-                _exported[reg.ipc] = base
-            reg.export = _OwnerFile(region.nbytes)
-            reg.descriptor = json.dumps({
-                "cuda_ipc": 1, "handle": reg.ipc.hex(), "offset": offset, "nbytes": region.nbytes,
-                "device": reg.device, "pid": os.getpid(), "boot": _boot_id(), "file": reg.export.path,
-            }).encode()
+            reg.descriptor = self._export_host(region, reg) if reg.device is None else self._export_device(region, reg)
         return reg.descriptor
+
+    def _export_host(self, region: Region, reg: _Registration) -> bytes:
+        if reg.export is None or reg.export.data is None:
+            raise InvalidArgumentError("cuda_ipc exports host memory it allocated itself (shared memory a reader "
+                                       "can map): let this transport allocate the slot")
+        reg.key = reg.export.path
+        _exported[reg.key] = reg.pointer
+        return self._descriptor(reg, "host", "", _DATA_OFFSET, region.nbytes)
+
+    def _export_device(self, region: Region, reg: _Registration) -> bytes:
+        offset = 0
+        if region.nbytes:
+            cu = cuda()
+            with cu.on(reg.device):
+                base, _ = cu.address_range(reg.pointer) or (reg.pointer, 0)
+                raw = _Handle()
+                result = cu.cuIpcGetMemHandle(ctypes.byref(raw), base)
+            if result:
+                raise InvalidArgumentError(
+                    f"CUDA cannot export that memory ({cu.error_name(result)}): CUDA IPC exports plain "
+                    "device allocations, not expandable segments; let this transport allocate the slot")
+            reg.key, offset = bytes(raw).hex(), reg.pointer - base  # all 64 bytes, NULs too
+            _exported[reg.key] = base
+        reg.export = _OwnerFile(region.nbytes)
+        return self._descriptor(reg, "device", reg.key, offset, region.nbytes)
+
+    @staticmethod
+    def _descriptor(reg: _Registration, memory: str, handle: str, offset: int, nbytes: int) -> bytes:
+        assert reg.export is not None
+        return json.dumps({
+            "cuda_ipc": 1, "memory": memory, "handle": handle, "offset": offset, "nbytes": nbytes,
+            "device": reg.device, "pid": os.getpid(), "boot": _boot_id(), "file": reg.export.path,
+        }).encode()
 
     def connect(self, descriptor: bytes) -> Remote:
         self._check_open()
         try:
             d = json.loads(descriptor)
             handle, offset, nbytes = bytes.fromhex(d["handle"]), int(d["offset"]), int(d["nbytes"])
-            pid, boot, path = int(d["pid"]), str(d["boot"]), str(d["file"])
-            if d["cuda_ipc"] != 1 or not os.path.basename(path).startswith(_FILE_PREFIX) or len(handle) not in (0, 64):
+            pid, boot, path, host = int(d["pid"]), str(d["boot"]), str(d["file"]), d["memory"] == "host"
+            if (d["cuda_ipc"] != 1 or d["memory"] not in ("host", "device") or len(handle) not in ((0,) if host else (0, 64))
+                    or not os.path.basename(path).startswith(_FILE_PREFIX) or offset % mmap.ALLOCATIONGRANULARITY * host):
                 raise ValueError("unknown fields")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidArgumentError(f"not a cuda_ipc descriptor ({exc}): {bytes(descriptor[:80])!r}") from exc
@@ -567,7 +724,7 @@ class CudaIpcTransport(RegionTable, Transport):
             raise RegionNotRegisteredError(
                 "that region is no longer exported (deregistered, or its owner closed its transport)") from None
         _, exported = _RECORD.unpack(os.pread(fd, _RECORD.size, 0))
-        imp = _Import(handle, offset, exported, pid, fd)
+        imp = _Import(handle, offset, exported, pid, fd, path, host)
         self._imports.add(imp)
         return Remote(nbytes, descriptor, handle=imp)
 
@@ -589,21 +746,43 @@ class CudaIpcTransport(RegionTable, Transport):
         await self.read_many([(remote, remote_offset, local, local_offset, nbytes)])
 
     async def read_many(self, reads: Sequence[tuple[Remote, int, Region, int, int]]) -> None:
-        """Queue every copy, then wait once per stream, for its last: copies land in order."""
+        """Check each read and queue its copy (reads adjacent on both sides merge into one),
+        then wait once per stream, for its last copy: copies on a stream land in order."""
         self._check_open()
         checked: set[_Import] = set()  # owners asked once per call
-        waits: list[tuple[_Lane, _Wait]] = []
-        for remote, remote_offset, local, local_offset, nbytes in reads:
-            lane, dst, src = self._route(remote, remote_offset, local, local_offset, nbytes, checked)
-            if nbytes:  # a copy queued before a later read fails lands unawaited: the lane drops it then
-                waits.append((lane, lane.copy(dst, src, nbytes)))
-        for lane, wait in {lane: wait for lane, wait in waits}.items():
+        for imp in {r[0].handle for r in reads if r[4] and isinstance(r[0].handle, _Import)}:
+            if imp.host and imp.connected and not imp.mapped_host and imp.key not in _exported:
+                imp.check_owner(f"reading a region of process {imp.owner_pid}")  # before pinning gigabytes
+                checked.add(imp)
+                await anyio.to_thread.run_sync(_map_host, imp, self.device)
+        gathering: dict[_Lane, list[Any]] = {}  # per lane: [dst, src, nbytes, remote, local] of the next copy
+        last: dict[_Lane, _Wait] = {}  # per lane, its last copy queued
+        try:
+            for remote, remote_offset, local, local_offset, nbytes in reads:
+                lane, dst, src = self._route(remote, remote_offset, local, local_offset, nbytes, checked)
+                if not nbytes:
+                    continue
+                g = gathering.get(lane)
+                if (g and g[3] is remote.handle and g[4] is local and g[0] + g[2] == dst and g[1] + g[2] == src
+                        and g[2] + nbytes <= _MERGE_UP_TO):  # adjacent on both sides: one copy
+                    g[2] += nbytes
+                    continue
+                if g:
+                    last[lane] = lane.copy(*g[:3])
+                gathering[lane] = [dst, src, nbytes, remote.handle, local]
+            for lane, g in gathering.items():
+                last[lane] = lane.copy(*g[:3])
+        except BaseException:
+            for lane in last:
+                lane.drain()
+            raise
+        for lane, wait in last.items():
             await lane.fence(wait)
-        for (lane, wait), (remote, remote_offset, local, _, nbytes) in zip(waits, (r for r in reads if r[4])):
+        for lane, wait in last.items():
             if wait.result:
-                raise TransportError(
-                    f"reading [{remote_offset}, {remote_offset + nbytes}) of a region of process "
-                    f"{remote.handle.owner_pid} into {local.device}: {cuda().error_name(wait.result)}")
+                owners = sorted({r[0].handle.owner_pid for r in reads})
+                raise TransportError(f"reading {len(reads)} span(s) of regions of process(es) {owners} "
+                                     f"on cuda:{lane.device}: {cuda().error_name(wait.result)}")
 
     def _route(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int,
                checked: set[_Import]) -> tuple[_Lane, int, int]:
@@ -622,7 +801,8 @@ class CudaIpcTransport(RegionTable, Transport):
         lane = self._lanes.get(device)
         if lane is None:
             lane = self._lanes[device] = _Lane(device)
-        source = _map(imp, device) + imp.offset + remote_offset if nbytes else 0
+        base = _map(imp, device) + (0 if imp.host else imp.offset) if nbytes else 0  # a host map starts at its offset
+        source = base + remote_offset if nbytes else 0
         return lane, reg.pointer + local_offset, source
 
     # -- lifetime ------------------------------------------------------------------------

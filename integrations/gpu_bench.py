@@ -71,14 +71,15 @@ def mirror_checksums(layout: Layout, region: Any) -> dict[str, int]:
 # -- the publisher process (cuda_ipc) ---------------------------------------------------------
 
 
-async def _serve(conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+async def _serve(conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]],
+                 slot_device: str) -> None:
     tensors = make_tensors(shapes, device)
     sums = checksums(tensors)
     transport = create_transport("cuda_ipc")
     publishers, manifests = [], []
     for bucket_bytes in bucket_sizes:  # one slot per bucket size; the tensors are the same
         publisher = Publisher(InProcessRegistry(), transport, rollout_dtype=None, bucket_bytes=bucket_bytes,
-                              device=device, name=f"gpu-bench-{os.getpid()}")
+                              device=slot_device, name=f"gpu-bench-{os.getpid()}")
         result = await publisher.publish(1, tensors)
         publishers.append(publisher)
         manifests.append(result.manifest.to_dict())
@@ -90,23 +91,25 @@ async def _serve(conn: Any, bucket_sizes: list[int], device: str, shapes: list[t
     await transport.aclose()
 
 
-def publisher_main(conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+def publisher_main(conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]],
+                   slot_device: str) -> None:
     try:
-        anyio.run(_serve, conn, bucket_sizes, device, shapes)
+        anyio.run(_serve, conn, bucket_sizes, device, shapes, slot_device)
     except BaseException as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
 
 
 class PublisherProcess:
-    """A cuda_ipc publisher of random bf16 tensors (the 8B-shaped set unless `shapes` says
-    otherwise) in a process of its own: one version, one slot per bucket size."""
+    """A cuda_ipc publisher of random bf16 tensors on `device` (the 8B-shaped set unless
+    `shapes` says otherwise) in a process of its own: one version, one slot per bucket size,
+    on `slot_device` (default: `device`; "cpu" for host slots)."""
 
     def __init__(self, bucket_sizes: list[int], device: str = "cuda:0",
-                 shapes: list[tuple[str, tuple[int, ...]]] | None = None) -> None:
+                 shapes: list[tuple[str, tuple[int, ...]]] | None = None, slot_device: str | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        args = (child, bucket_sizes, device, shapes or qwen3_8b_shapes())
+        args = (child, bucket_sizes, device, shapes or qwen3_8b_shapes(), slot_device or device)
         self.process = ctx.Process(target=publisher_main, args=args, daemon=True)
         self.process.start()
         child.close()

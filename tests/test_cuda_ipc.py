@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -55,7 +56,7 @@ def test_without_a_gpu_it_says_why():
 
 
 def _descriptor(path: str, nbytes: int = 4096, boot: str | None = None, **extra) -> bytes:
-    d = {"cuda_ipc": 1, "handle": "ab" * 64, "offset": 0, "nbytes": nbytes, "device": 0, "pid": 1,
+    d = {"cuda_ipc": 1, "memory": "device", "handle": "ab" * 64, "offset": 0, "nbytes": nbytes, "device": 0, "pid": 1,
          "boot": boot or _boot_id(), "file": path, **extra}
     return json.dumps(d).encode()
 
@@ -93,7 +94,51 @@ def test_the_owners_file_says_deregistered_closed_or_dead():
     finally:
         owner.kill()
         for path in paths[2:]:  # the killed owner's, left behind
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+HOST_SLOTS = textwrap.dedent("""
+    import random, sys
+    from weightpull.drivers.cuda_ipc import _OwnerFile
+    files = [_OwnerFile(1 << 20, data=True), _OwnerFile(4096)]
+    files[0].data[:] = random.Random(5).randbytes(1 << 20)
+    print(" ".join(f.path for f in files), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_host_slot_lives_in_its_owners_file_and_a_dead_owners_files_are_swept():
+    """A host slot's bytes follow the liveness record in one shared-memory file, which a
+    reader maps read-only; once the owner is SIGKILLed, the next transport removes its
+    files (gigabytes of /dev/shm for a real slot), and a live owner's stay."""
+    dead = subprocess.Popen([sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    live = subprocess.Popen([sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        dead_paths, live_paths = dead.stdout.readline().split(), live.stdout.readline().split()
+        t = CudaIpcTransport()
+        remote = t.connect(_descriptor(dead_paths[0], 1 << 20, memory="host", handle="", offset=cuda_ipc._DATA_OFFSET))
+        imp = remote.handle
+        assert imp.host and imp.exported == 1 << 20 and os.path.getsize(dead_paths[0]) == cuda_ipc._DATA_OFFSET + (1 << 20)
+        address = cuda_ipc._libc.map_read_only(imp.fd, imp.exported, imp.offset)
+        try:
+            assert ctypes.string_at(address, 1 << 20) == random.Random(5).randbytes(1 << 20)
+        finally:
+            cuda_ipc._libc.munmap(address, 1 << 20)
+        assert cuda_ipc.sweep_dead_owners() == []  # both owners alive
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait(30)
+        CudaIpcTransport()  # any new transport sweeps
+        assert not any(os.path.exists(p) for p in dead_paths) and all(os.path.exists(p) for p in live_paths)
+        with pytest.raises(PeerGoneError):
+            imp.check_owner("reading")  # its open file still answers
+        t.disconnect(remote)
+    finally:
+        for p in (dead, live):
+            p.kill()
+            p.wait(30)
+        cuda_ipc.sweep_dead_owners()
+    assert not any(os.path.exists(p) for p in live_paths)
 
 
 def test_bad_descriptors_are_refused(tmp_path):
@@ -102,6 +147,9 @@ def test_bad_descriptors_are_refused(tmp_path):
         t.connect(b"garbage")
     with pytest.raises(InvalidArgumentError, match="not a cuda_ipc descriptor"):
         t.connect(_descriptor("/etc/passwd"))  # not an owner's file
+    for bad in ({"memory": "host"}, {"memory": "host", "handle": "", "offset": 100}, {"memory": "disk"}):
+        with pytest.raises(InvalidArgumentError, match="not a cuda_ipc descriptor"):
+            t.connect(_descriptor(str(tmp_path / "weightpull-cuda-ipc-x"), **bad))
     with pytest.raises(InvalidArgumentError, match="another host"):
         t.connect(_descriptor(str(tmp_path / "weightpull-cuda-ipc-x"), boot="another-boot"))
 
@@ -112,7 +160,7 @@ class _FakeCuda:
 
     def __init__(self):
         self._contexts = {0: ctypes.c_void_p(1)}
-        self.events, self.landing, self.tail = 0, {}, 0.0
+        self.events, self.landing, self.tail, self.copies = 0, {}, 0.0, []
 
     @contextlib.contextmanager
     def on(self, device):
@@ -136,6 +184,7 @@ class _FakeCuda:
         return 0
 
     def cuMemcpyAsync(self, dst, src, nbytes, stream):
+        self.copies.append((dst, src, nbytes))
         self.tail = max(self.tail, time.monotonic()) + nbytes * 1e-9
         return 0
 
@@ -155,7 +204,8 @@ async def test_a_lane_wakes_every_fence_in_order_through_batches_and_cancellatio
     finished = []
 
     async def reads(k, count, cancel_after=None):
-        waits = [lane.copy(0, 0, rng.choice([1 << 10, 1 << 16, 1 << 20])) for _ in range(count)]
+        sizes = [rng.choice([1 << 10, 1 << 16, 1 << 20]) for _ in range(count)]
+        waits = [lane.copy(0, 0, n) for n in sizes]
         with anyio.CancelScope() as scope:
             if cancel_after is not None:
                 scope.deadline = anyio.current_time() + cancel_after
@@ -177,3 +227,30 @@ async def test_a_lane_wakes_every_fence_in_order_through_batches_and_cancellatio
         for k in range(50):
             tg.start_soon(reads, k, 1)
     assert finished[-50:] == list(range(50))
+
+
+@pytest.mark.anyio
+async def test_reads_adjacent_on_both_sides_go_as_one_copy(monkeypatch):
+    """A pull's buckets lie back to back in the slot and in the mirror: one copy of up to
+    `_MERGE_UP_TO` costs the stream less than one per bucket. Reads of another remote, into
+    another region, or not adjacent on both sides stay apart."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(cuda_ipc, "_cuda", fake)
+    monkeypatch.setattr(cuda_ipc, "_MERGE_UP_TO", 1000)
+    t = CudaIpcTransport()
+    lane = t._lanes[0] = cuda_ipc._Lane(0)
+    a, b = object(), object()
+    remote_a, remote_b = SimpleNamespace(handle=a), SimpleNamespace(handle=b)
+    mirror, other = object(), object()
+    monkeypatch.setattr(t, "_route", lambda remote, ro, local, lo, n, checked: (lane, {mirror: 10_000, other: 20_000}[local] + lo,
+                                                                                  {a: 0, b: 5_000}[remote.handle] + ro))
+    reads = [(remote_a, 0, mirror, 0, 100), (remote_a, 100, mirror, 100, 200), (remote_a, 300, mirror, 300, 0),
+             (remote_a, 300, mirror, 300, 300),  # adjacent: one copy of 600
+             (remote_a, 700, mirror, 600, 100),  # a gap in the remote
+             (remote_b, 0, mirror, 700, 100),  # adjacent in the mirror, another remote
+             (remote_b, 100, other, 0, 50),  # another region
+             (remote_b, 150, other, 50, 900), (remote_b, 1050, other, 950, 100)]  # past the cap: two
+    await t.read_many(reads)
+    assert fake.copies == [(10_000, 0, 600), (10_600, 700, 100), (10_700, 5_000, 100), (20_000, 5_100, 950),
+                           (20_950, 6_050, 100)]
+    assert not lane._queue and len(fake.landing) == 5  # an event after each copy, all landed

@@ -220,17 +220,21 @@ def _cuda_ipc_holds(transport: Any, region: Region) -> bool:
     return cuda().host_pinned(region.handle.pointer)
 
 
-def cuda_ipc_kit() -> Kit:
+def cuda_ipc_kit(slots: str = "cuda") -> Kit:
+    """The peer exports GPU slots, or with `slots="cpu"` host slots (shared memory)."""
     return Kit(
-        "cuda_ipc",
+        "cuda_ipc" if slots == "cuda" else "cuda_ipc_host",
         lambda: create_transport("cuda_ipc"),
-        lambda: ProcessPeer("cuda_ipc", device="cuda"),  # it exports GPU memory only
+        lambda: ProcessPeer("cuda_ipc", device=slots),
         _cuda_ipc_holds,
         _widen("nbytes"),
     )
 
 
-KITS: dict[str, Callable[[], Kit]] = {"fake": fake_kit, "nixl": nixl_kit, "torch": torch_kit, "cuda_ipc": cuda_ipc_kit}
+KITS: dict[str, Callable[[], Kit]] = {
+    "fake": fake_kit, "nixl": nixl_kit, "torch": torch_kit,
+    "cuda_ipc": cuda_ipc_kit, "cuda_ipc_host": lambda: cuda_ipc_kit("cpu"),
+}
 # The drivers a plain `pytest` runs the suite against. Others need an environment of their
 # own (torch: torch >= 2.15) or a GPU (cuda_ipc): WEIGHTPULL_DRIVERS=name,... picks them,
 # and a picked driver that cannot run here fails its tests rather than skip them.

@@ -54,7 +54,7 @@ async def test_a_publisher_process_gpu_slot_pulled_into_gpu_and_host_mirrors_ope
             pulled = await host.pull()
             assert pulled.region.device == "cpu" and mirror_checksums(pulled.layout, pulled.region) == want
         assert len(manifest.layout.buckets) > 3
-        handle = bytes.fromhex(__import__("json").loads(manifest.source)["handle"])
+        handle = __import__("json").loads(manifest.source)["handle"]
         assert [key for key in cuda_ipc._mappings if key[0] == handle] == [(handle, 0)]  # one for both
         for puller, transport in ((gpu, a), (host, b)):
             await puller.aclose()
@@ -62,6 +62,33 @@ async def test_a_publisher_process_gpu_slot_pulled_into_gpu_and_host_mirrors_ope
         assert not cuda_ipc._mappings
     finally:
         await anyio.to_thread.run_sync(proc.stop)
+
+
+async def test_a_publisher_process_host_slot_pulled_by_dma_into_gpu_and_host_mirrors_mapped_once():
+    proc = PublisherProcess([1 << 20], shapes=SHAPES, slot_device="cpu")
+    try:
+        (manifest,), want = await anyio.to_thread.run_sync(proc.ready)
+        source = __import__("json").loads(manifest.source)
+        assert source["memory"] == "host" and os.path.getsize(source["file"]) == source["offset"] + manifest.nbytes
+        a, b = create_transport("cuda_ipc"), create_transport("cuda_ipc")
+        gpu = Puller(await _registry_with(manifest), a, device="cuda:0")
+        host = Puller(await _registry_with(manifest), b, device="cpu")
+        assert gpu.transport is a  # the GPU's own DMA reads the shared slot: no staging
+        for _ in range(2):
+            pulled = await gpu.pull()
+            assert pulled.region.device == "cuda:0" and mirror_checksums(pulled.layout, pulled.region) == want
+            pulled = await host.pull()
+            assert pulled.region.device == "cpu" and mirror_checksums(pulled.layout, pulled.region) == want
+        (entry,) = [v for k, v in cuda_ipc._mappings.items() if k == (source["file"], -1)]
+        pointer, users, pinned_on = entry
+        assert users == 2 and pinned_on == 0 and cuda_ipc.cuda().host_pinned(pointer)  # one read-only map, page-locked
+        for puller, transport in ((gpu, a), (host, b)):
+            await puller.aclose()
+            await transport.aclose()
+        assert not [key for key in cuda_ipc._mappings if key[0] == source["file"]]
+    finally:
+        await anyio.to_thread.run_sync(proc.stop)
+    assert not os.path.exists(source["file"])  # the owner's close removed its shared memory
 
 
 async def test_a_crashed_owner_is_gone():
