@@ -93,8 +93,9 @@ async def run(preset: str | None = None, transports: Iterable[str] | None = None
     device = "cuda:0" if cuda else "cpu"
     names = list(transports) if transports else runnable()
     setups = [Setup(n, preset, versions, device) for n in names]
-    for s in setups:
-        s.slot  # noqa: B018  # fails early, naming the missing extra
+    for s in list(setups):
+        if s.slot != "cpu":  # a driver reading GPU memory at device speed reads host slots too: both paths
+            setups.insert(setups.index(s) + 1, Setup(s.transport, preset, versions, device, host_slot=True))
     todo = {k: why for k, why in baselines.available(cuda).items()} if with_baselines else {}
     tick = progress(1 + len(setups) * (versions + SLOTS) + sum(versions + 1 for why in todo.values() if why is None))
     try:

@@ -42,6 +42,7 @@ class Setup:
     preset: str
     versions: int  # measured, after one per slot to warm up
     device: str  # the trainer's parameters and the replica's weights: cpu or cuda:0
+    host_slot: bool = False  # host slots even for a driver that reads GPU memory at device speed
 
     @property
     def cuda(self) -> bool:
@@ -50,7 +51,8 @@ class Setup:
     @property
     def slot(self) -> str:
         """GPU slots for drivers that read GPU memory at device speed, else (pinned) host."""
-        return self.device if self.cuda and transport_class(self.transport).reads_into_gpu else "cpu"
+        gpu = self.cuda and not self.host_slot and transport_class(self.transport).reads_into_gpu
+        return self.device if gpu else "cpu"
 
     @property
     def options(self) -> dict[str, Any]:
