@@ -260,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
                                 "to a replica over each installed transport (or --transport), VERSIONS times after one per trainer slot to warm up: "
                                 "the trainer's blocking time per publish, the pull bandwidth, the replica's apply pause and the time "
                                 "from publish to serving, beside the copy limits measured in the same run and the pushes a user would "
-                                "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). With --size: one version of "
+                                "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a driver that "
+                                "reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with host slots. With --size: one version of "
                                 "SIZE bytes pulled REPEAT times against the transport's raw read and the copy limit. Every copy is "
                                 "checked; exits 1 if one is wrong. GB/s are 10^9 bytes/s. Progress goes to stderr (docs/benchmarks.md).")
     pull_bench.add_argument("--transport", help="one transport driver (default: every one that loads here; with --size, fake)")
