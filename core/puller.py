@@ -101,12 +101,17 @@ class Puller:
         renew_every: float | None = None,
         device: str = "cpu",
         staging: bool | None = None,
-        verify_digests: bool = True,
+        verify_digests: bool | None = None,
         clock: Clock | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
-        (`staging=None` decides by `transport.reads_into_gpu`; True or False forces it)."""
+        (`staging=None` decides by `transport.reads_into_gpu`; True or False forces it).
+        Digests a publisher recorded are checked on the CPU, so on a host mirror only:
+        `verify_digests=None` checks them there, True insists (refused for a GPU mirror)."""
+        if verify_digests and device != "cpu":
+            raise InvalidArgumentError(f"digests are verified on host mirrors only, not on {device!r}; "
+                                       "leave verify_digests unset to skip them there")
         if ttl <= 0:
             raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
         self.registry = registry
@@ -117,7 +122,7 @@ class Puller:
         if not 0 < self.renew_every < ttl:  # else every read longer than the TTL is torn
             raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
         self.device = device
-        self.verify_digests = verify_digests
+        self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
         self.clock = clock or MonotonicClock()
         self.mirror: Region | None = None
         self.mirror_version: int | None = None  # what the mirror holds, verified

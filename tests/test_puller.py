@@ -128,6 +128,14 @@ async def test_digests_are_verified_on_pull(world):
     assert (await world.puller(verify_digests=False).pull()).version == 1
 
 
+def test_digests_are_checked_on_host_mirrors_only(world):
+    """They are hashed on the CPU: a GPU mirror skips them by default, and insisting is refused
+    up front, rather than every pull failing after its reads."""
+    assert world.puller().verify_digests
+    with pytest.raises(InvalidArgumentError, match="host mirrors only, not on 'cuda:0'"):
+        world.puller(device="cuda:0", verify_digests=True)
+
+
 async def test_the_puller_notices_a_layout_change(world):
     pub = world.publisher(num_slots=2)
     puller = world.puller()

@@ -91,6 +91,22 @@ async def test_a_publisher_process_host_slot_pulled_by_dma_into_gpu_and_host_mir
     assert not os.path.exists(source["file"])  # the owner's close removed its shared memory
 
 
+async def test_a_host_slot_with_digests_pulls_into_a_gpu_mirror_without_checking_them():
+    registry, transport = InProcessRegistry(), create_transport("cuda_ipc")
+    tensors = make_tensors(SHAPES, "cuda:0")
+    publisher = Publisher(registry, transport, rollout_dtype=None, bucket_bytes=1 << 20, device="cpu", digests=True)
+    result = await publisher.publish(1, tensors)
+    assert result.manifest.digests
+    gpu, host = Puller(registry, transport, device="cuda:0"), Puller(registry, transport, device="cpu")
+    assert not gpu.verify_digests and host.verify_digests
+    for puller in (gpu, host):
+        pulled = await puller.pull()
+        assert mirror_checksums(pulled.layout, pulled.region) == checksums(tensors)
+        await puller.aclose()
+    await publisher.aclose()
+    await transport.aclose()
+
+
 async def test_a_crashed_owner_is_gone():
     peer = ProcessPeer("cuda_ipc", device="cuda")
     reader = create_transport("cuda_ipc")
