@@ -26,6 +26,8 @@ from .errors import (
     InvalidTransitionError,
     LeaseExpiredError,
     LeaseNotFoundError,
+    PeerGoneError,
+    RegionNotRegisteredError,
     TornReadError,
     WeightpullError,
 )
@@ -158,7 +160,11 @@ class Puller:
             mirror = self._mirror_for(manifest.layout)
             reads = self._reads(manifest)
             self.mirror_version = None  # overwritten from here on
-            lease, renewals = await self._read_all(lease, manifest, reads, mirror)
+            try:
+                lease, renewals = await self._read_all(lease, manifest, reads, mirror)
+            except (RegionNotRegisteredError, PeerGoneError):
+                self._forget(manifest)  # the memory behind those connections is gone: connect afresh next time
+                raise
             if manifest.digests is not None and self.verify_digests:
                 await self._verify(manifest, mirror)
             self.mirror_version = manifest.version
@@ -269,6 +275,12 @@ class Puller:
                 self.transport.disconnect(self._remotes.popitem(last=False)[1])
         self._remotes.move_to_end(descriptor)
         return remote
+
+    def _forget(self, manifest: Manifest) -> None:
+        for descriptor in [manifest.source] + [shard.source for shard in manifest.shards or ()]:
+            remote = self._remotes.pop(descriptor, None)
+            if remote is not None:
+                self.transport.disconnect(remote)
 
     async def aclose(self) -> None:
         for remote in self._remotes.values():

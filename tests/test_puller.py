@@ -5,6 +5,7 @@ from weightpull import (
     DigestMismatchError,
     InvalidArgumentError,
     NoReadyVersionError,
+    RegionNotRegisteredError,
     TornReadError,
     TransportError,
     VersionStateError,
@@ -126,6 +127,24 @@ async def test_digests_are_verified_on_pull(world):
     with pytest.raises(DigestMismatchError, match="bucket 0"):
         await world.puller().pull()
     assert (await world.puller(verify_digests=False).pull()).version == 1
+
+
+async def test_a_connection_to_memory_that_is_gone_is_dropped_not_kept(world):
+    """A slot deregistered under a cached connection: the pull fails with the driver's
+    error and the puller forgets that connection, so the next pull connects afresh."""
+    pub = world.publisher()
+    r = await pub.publish(1, host_tensors(1))
+    transport = world.transport()
+    puller = world.puller(transport)
+    await puller.pull()
+    assert list(puller._remotes) == [r.manifest.source]
+    slot = pub.slots[r.slot].region
+    pub.transport.deregister(slot)
+    with pytest.raises(RegionNotRegisteredError):
+        await puller.pull()
+    assert not puller._remotes
+    pub.transport.fabric.regions[slot.handle] = slot  # the same memory, back under the same descriptor
+    assert (await puller.pull()).version == 1 and list(puller._remotes) == [r.manifest.source]
 
 
 def test_digests_are_checked_on_host_mirrors_only(world):
