@@ -66,3 +66,30 @@ async def test_versions_alternate_between_two_mirrors_and_a_torn_pull_goes_no_fu
         assert pulls.status()["serving"] == 2
     finally:
         await anyio.to_thread.run_sync(pulls.close)
+
+
+def test_the_mirrors_go_where_the_spec_says():
+    """"cuda" is the worker's own GPU; a worker without one is told so up front."""
+    import torch
+
+    from weightpull.errors import InvalidArgumentError
+    from weightpull.integrations.vllm.worker import mirror_device
+
+    assert mirror_device("cpu", torch.device("cuda:1")) == "cpu"
+    assert mirror_device("cuda", torch.device("cuda:1")) == "cuda:1"
+    assert mirror_device("cuda:0", None) == "cuda:0"
+    with pytest.raises(InvalidArgumentError, match="this worker runs on cpu"):
+        mirror_device("cuda", torch.device("cpu"))
+    with pytest.raises(InvalidArgumentError, match="no device"):
+        mirror_device("cuda", None)
+
+
+async def test_background_pulls_keep_both_mirrors_on_the_device_asked_for():
+    async def setup():
+        return InProcessRegistry(), FakeTransport()
+
+    pulls = await anyio.to_thread.run_sync(lambda: BackgroundPulls(setup, holder="r0", device="cpu"))
+    try:
+        assert [p.device for p in pulls.pair.pullers] == ["cpu", "cpu"]
+    finally:
+        await anyio.to_thread.run_sync(pulls.close)

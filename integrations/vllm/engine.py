@@ -47,6 +47,10 @@ class PullSpec:
     holder: str  # the lease holder's name (the replica's)
     transport: str = "nixl"
     ttl: float = 10.0
+    # Where each worker keeps its two mirrors: "cpu", or "cuda" for the worker's own GPU
+    # (the apply is then a device copy, not a host-to-device one, but the two mirrors take
+    # two copies of the model from the GPU memory vLLM would give its KV cache).
+    mirror_device: str = "cpu"
     registry_options: Mapping[str, Any] = attrs.field(factory=dict)
     transport_options: Mapping[str, Any] = attrs.field(factory=dict)
     faults: Mapping[str, Any] | None = None  # `weightpull.drivers.faulty.Faults` fields

@@ -70,14 +70,16 @@ class BackgroundPulls:
     """A `MirrorPair` on an event loop in its own thread, driven from a synchronous one.
 
     `setup` runs on that loop and returns (registry, transport): a served registry's
-    client and a transport endpoint belong to the loop that made them."""
+    client and a transport endpoint belong to the loop that made them. `device` holds
+    the mirrors ("cpu" or a GPU)."""
 
-    def __init__(self, setup: Callable[[], Awaitable[tuple[Registry, Transport]]], *, holder: str, ttl: float = 10.0) -> None:
+    def __init__(self, setup: Callable[[], Awaitable[tuple[Registry, Transport]]], *, holder: str, ttl: float = 10.0,
+                 device: str = "cpu") -> None:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
             registry, self._transport = self._portal.call(setup)
-            self.pair = MirrorPair(registry, self._transport, holder=holder, ttl=ttl)
+            self.pair = MirrorPair(registry, self._transport, holder=holder, ttl=ttl, device=device)
         except BaseException:
             self._stack.close()
             raise

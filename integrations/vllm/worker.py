@@ -24,6 +24,9 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from weightpull.errors import InvalidArgumentError
 from weightpull.puller import Pulled
 
 from .mirrors import BackgroundPulls, checkpoint_weights, error_info
@@ -50,6 +53,16 @@ def _setup(spec: dict[str, Any]):  # noqa: ANN202 - an async factory for Backgro
     return setup
 
 
+def mirror_device(wanted: str, worker_device: Any) -> str:
+    """Where the mirrors go: "cpu", a GPU named outright, or "cuda": the worker's own GPU."""
+    if wanted != "cuda":
+        return wanted
+    if worker_device is None or torch.device(worker_device).type != "cuda":
+        raise InvalidArgumentError(f"mirror_device='cuda' puts the mirrors on the worker's GPU, "
+                                   f"but this worker runs on {worker_device or 'no device'}")
+    return str(torch.device(worker_device))
+
+
 class WeightpullWorker:
     """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...)."""
 
@@ -67,7 +80,8 @@ class WeightpullWorker:
             if self._weightpull.pair.current is not None:
                 self._weightpull_fallback = None
             self._weightpull.close()
-        self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0))
+        device = mirror_device(spec.get("mirror_device", "cpu"), getattr(self, "device", None))
+        self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device)
         return self.weightpull_status()
 
     def weightpull_prefetch(self, version: int) -> dict[str, Any]:
