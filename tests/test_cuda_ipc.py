@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightpull import (
     DriverUnavailableError,
@@ -254,3 +256,44 @@ async def test_reads_adjacent_on_both_sides_go_as_one_copy(monkeypatch):
     assert fake.copies == [(10_000, 0, 600), (10_600, 700, 100), (10_700, 5_000, 100), (20_000, 5_100, 950),
                            (20_950, 6_050, 100)]
     assert not lane._queue and len(fake.landing) == 5  # an event after each copy, all landed
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1), st.integers(0, 3), st.integers(0, 3),
+                          st.integers(0, 40)), max_size=12),
+       st.integers(1, 100))
+def test_merged_copies_move_exactly_the_bytes_the_reads_ask_for(spans, cap):
+    """Whatever the reads (adjacent or not, two remotes, two regions, empty ones), the copies
+    queued give each destination byte the source byte its read names, copy no byte twice,
+    and merge no further than `_MERGE_UP_TO` (a single larger read stays one copy)."""
+    fake = _FakeCuda()
+    t = CudaIpcTransport.__new__(CudaIpcTransport)  # no sweep, no GPU: only read_many's planning
+    t._closed = False
+    remotes = [SimpleNamespace(handle=object()) for _ in range(2)]
+    regions = [object(), object()]
+    base = {id(remotes[0].handle): 0, id(remotes[1].handle): 10_000, id(regions[0]): 100_000, id(regions[1]): 200_000}
+    reads, cursor = [], [[0, 0], [0, 0]]  # per remote and region: where the next adjacent read would start
+    for remote, region, gap_r, gap_l, n in spans:
+        cursor[remote][0] += gap_r
+        cursor[region][1] += gap_l
+        reads.append((remotes[remote], cursor[remote][0], regions[region], cursor[region][1], n))
+        cursor[remote][0] += n
+        cursor[region][1] += n
+
+    async def run() -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cuda_ipc, "_cuda", fake)
+            mp.setattr(cuda_ipc, "_MERGE_UP_TO", cap)
+            lane = cuda_ipc._Lane(0)
+            mp.setattr(t, "_lanes", {0: lane}, raising=False)
+            mp.setattr(t, "_route", lambda r, ro, local, lo, n, checked: (lane, base[id(local)] + lo, base[id(r.handle)] + ro))
+            await t.read_many(reads)
+
+    anyio.run(run)
+    want = {base[id(local)] + lo + i: base[id(r.handle)] + ro + i for r, ro, local, lo, n in reads for i in range(n)}
+    got: dict[int, int] = {}
+    for dst, src, n in fake.copies:
+        assert 0 < n <= max(cap, max((r[4] for r in reads), default=0))
+        for i in range(n):
+            got[dst + i] = src + i
+    assert got == want and sum(n for *_, n in fake.copies) == sum(r[4] for r in reads)
