@@ -31,17 +31,17 @@ from weightpull import (
     create_transport,
     list_transports,
 )
-from weightpull.drivers import cuda_ipc
-from weightpull.drivers.cuda_ipc import CudaIpcTransport, _boot_id
+from weightpull.drivers.cuda_ipc import CudaIpcTransport, driver_api, lanes, owners, sweep_dead_owners, transport
+from weightpull.drivers.cuda_ipc.owners import boot_id
 
 OWNER = textwrap.dedent("""
     import sys
-    from weightpull.drivers.cuda_ipc import _OwnerFile, _CLOSED, _DEREGISTERED
-    files = [_OwnerFile(4096), _OwnerFile(8192), _OwnerFile(16)]
+    from weightpull.drivers.cuda_ipc.owners import CLOSED, DEREGISTERED, OwnerFile
+    files = [OwnerFile(4096), OwnerFile(8192), OwnerFile(16)]
     print(" ".join(f.path for f in files), flush=True)
     for line in sys.stdin:
         index, state = line.split()
-        files[int(index)].release({"D": _DEREGISTERED, "C": _CLOSED}[state])
+        files[int(index)].release({"D": DEREGISTERED, "C": CLOSED}[state])
         print("done", flush=True)
 """)
 
@@ -59,7 +59,7 @@ def test_without_a_gpu_it_says_why():
 
 def _descriptor(path: str, nbytes: int = 4096, boot: str | None = None, **extra) -> bytes:
     d = {"cuda_ipc": 1, "memory": "device", "handle": "ab" * 64, "offset": 0, "nbytes": nbytes, "device": 0, "pid": 1,
-         "boot": boot or _boot_id(), "file": path, **extra}
+         "boot": boot or boot_id(), "file": path, **extra}
     return json.dumps(d).encode()
 
 
@@ -102,8 +102,8 @@ def test_the_owners_file_says_deregistered_closed_or_dead():
 
 HOST_SLOTS = textwrap.dedent("""
     import random, sys
-    from weightpull.drivers.cuda_ipc import _OwnerFile
-    files = [_OwnerFile(1 << 20, data=True), _OwnerFile(4096)]
+    from weightpull.drivers.cuda_ipc.owners import OwnerFile
+    files = [OwnerFile(1 << 20, data=True), OwnerFile(4096)]
     files[0].data[:] = random.Random(5).randbytes(1 << 20)
     print(" ".join(f.path for f in files), flush=True)
     sys.stdin.readline()
@@ -119,15 +119,15 @@ def test_a_host_slot_lives_in_its_owners_file_and_a_dead_owners_files_are_swept(
     try:
         dead_paths, live_paths = dead.stdout.readline().split(), live.stdout.readline().split()
         t = CudaIpcTransport()
-        remote = t.connect(_descriptor(dead_paths[0], 1 << 20, memory="host", handle="", offset=cuda_ipc._DATA_OFFSET))
+        remote = t.connect(_descriptor(dead_paths[0], 1 << 20, memory="host", handle="", offset=owners.DATA_OFFSET))
         imp = remote.handle
-        assert imp.host and imp.exported == 1 << 20 and os.path.getsize(dead_paths[0]) == cuda_ipc._DATA_OFFSET + (1 << 20)
-        address = cuda_ipc._libc.map_read_only(imp.fd, imp.exported, imp.offset)
+        assert imp.host and imp.exported == 1 << 20 and os.path.getsize(dead_paths[0]) == owners.DATA_OFFSET + (1 << 20)
+        address = driver_api.libc.map_read_only(imp.fd, imp.exported, imp.offset)
         try:
             assert ctypes.string_at(address, 1 << 20) == random.Random(5).randbytes(1 << 20)
         finally:
-            cuda_ipc._libc.munmap(address, 1 << 20)
-        assert cuda_ipc.sweep_dead_owners() == []  # both owners alive
+            driver_api.libc.munmap(address, 1 << 20)
+        assert sweep_dead_owners() == []  # both owners alive
         os.kill(dead.pid, signal.SIGKILL)
         dead.wait(30)
         CudaIpcTransport()  # any new transport sweeps
@@ -139,7 +139,7 @@ def test_a_host_slot_lives_in_its_owners_file_and_a_dead_owners_files_are_swept(
         for p in (dead, live):
             p.kill()
             p.wait(30)
-        cuda_ipc.sweep_dead_owners()
+        sweep_dead_owners()
     assert not any(os.path.exists(p) for p in live_paths)
 
 
@@ -200,8 +200,8 @@ class _FakeCuda:
 
 @pytest.mark.anyio
 async def test_a_lane_wakes_every_fence_in_order_through_batches_and_cancellations(monkeypatch):
-    monkeypatch.setattr(cuda_ipc, "_cuda", _FakeCuda())
-    lane = cuda_ipc._Lane(0)
+    monkeypatch.setattr(driver_api, "_cuda", _FakeCuda())
+    lane = lanes.Lane(0)
     rng = random.Random(7)
     finished = []
 
@@ -237,10 +237,10 @@ async def test_reads_adjacent_on_both_sides_go_as_one_copy(monkeypatch):
     `_MERGE_UP_TO` costs the stream less than one per bucket. Reads of another remote, into
     another region, or not adjacent on both sides stay apart."""
     fake = _FakeCuda()
-    monkeypatch.setattr(cuda_ipc, "_cuda", fake)
-    monkeypatch.setattr(cuda_ipc, "_MERGE_UP_TO", 1000)
+    monkeypatch.setattr(driver_api, "_cuda", fake)
+    monkeypatch.setattr(transport, "_MERGE_UP_TO", 1000)
     t = CudaIpcTransport()
-    lane = t._lanes[0] = cuda_ipc._Lane(0)
+    lane = t._lanes[0] = lanes.Lane(0)
     a, b = object(), object()
     remote_a, remote_b = SimpleNamespace(handle=a), SimpleNamespace(handle=b)
     mirror, other = object(), object()
@@ -282,9 +282,9 @@ def test_merged_copies_move_exactly_the_bytes_the_reads_ask_for(spans, cap):
 
     async def run() -> None:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cuda_ipc, "_cuda", fake)
-            mp.setattr(cuda_ipc, "_MERGE_UP_TO", cap)
-            lane = cuda_ipc._Lane(0)
+            mp.setattr(driver_api, "_cuda", fake)
+            mp.setattr(transport, "_MERGE_UP_TO", cap)
+            lane = lanes.Lane(0)
             mp.setattr(t, "_lanes", {0: lane}, raising=False)
             mp.setattr(t, "_route", lambda r, ro, local, lo, n, checked: (lane, base[id(local)] + lo, base[id(r.handle)] + ro))
             await t.read_many(reads)

@@ -15,14 +15,13 @@ import torch
 
 from weightpull import (
     InProcessRegistry,
-    InvalidArgumentError,
     PeerGoneError,
     Publisher,
     Puller,
     RegionNotRegisteredError,
     create_transport,
 )
-from weightpull.drivers import cuda_ipc
+from weightpull.drivers.cuda_ipc import cuda, mappings
 from weightpull.integrations.gpu_bench import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
 
@@ -55,11 +54,11 @@ async def test_a_publisher_process_gpu_slot_pulled_into_gpu_and_host_mirrors_ope
             assert pulled.region.device == "cpu" and mirror_checksums(pulled.layout, pulled.region) == want
         assert len(manifest.layout.buckets) > 3
         handle = __import__("json").loads(manifest.source)["handle"]
-        assert [key for key in cuda_ipc._mappings if key[0] == handle] == [(handle, 0)]  # one for both
+        assert [key for key in mappings.mapped if key[0] == handle] == [(handle, 0)]  # one for both
         for puller, transport in ((gpu, a), (host, b)):
             await puller.aclose()
             await transport.aclose()
-        assert not cuda_ipc._mappings
+        assert not mappings.mapped
     finally:
         await anyio.to_thread.run_sync(proc.stop)
 
@@ -79,13 +78,13 @@ async def test_a_publisher_process_host_slot_pulled_by_dma_into_gpu_and_host_mir
             assert pulled.region.device == "cuda:0" and mirror_checksums(pulled.layout, pulled.region) == want
             pulled = await host.pull()
             assert pulled.region.device == "cpu" and mirror_checksums(pulled.layout, pulled.region) == want
-        (entry,) = [v for k, v in cuda_ipc._mappings.items() if k == (source["file"], -1)]
+        (entry,) = [v for k, v in mappings.mapped.items() if k == (source["file"], -1)]
         pointer, users, pinned_on = entry
-        assert users == 2 and pinned_on == 0 and cuda_ipc.cuda().host_pinned(pointer)  # one read-only map, page-locked
+        assert users == 2 and pinned_on == 0 and cuda().host_pinned(pointer)  # one read-only map, page-locked
         for puller, transport in ((gpu, a), (host, b)):
             await puller.aclose()
             await transport.aclose()
-        assert not [key for key in cuda_ipc._mappings if key[0] == source["file"]]
+        assert not [key for key in mappings.mapped if key[0] == source["file"]]
     finally:
         await anyio.to_thread.run_sync(proc.stop)
     assert not os.path.exists(source["file"])  # the owner's close removed its shared memory
@@ -178,7 +177,7 @@ async def test_a_reader_on_another_gpu_reads_peer_to_peer():
         puller = Puller(await _registry_with(manifest), transport, device="cuda:1")
         pulled = await puller.pull()
         assert pulled.region.device == "cuda:1" and mirror_checksums(pulled.layout, pulled.region) == want
-        assert any(key[1] == 1 for key in cuda_ipc._mappings)  # mapped into cuda:1, peer access on
+        assert any(key[1] == 1 for key in mappings.mapped)  # mapped into cuda:1, peer access on
         await puller.aclose()
         await transport.aclose()
     finally:
