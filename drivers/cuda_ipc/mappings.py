@@ -47,13 +47,13 @@ class Import:
 
 # Per process: an export is mapped once per (key, device) however many remotes use it (a
 # host slot once, device -1), and one exported by this very process is read in place.
-mapped: dict[tuple[str, int], list[int]] = {}  # -> [pointer, users]
+mapped: dict[tuple[str, int], list[int]] = {}  # -> [pointer, users]; a host slot's also the device that locked it, or -1
 exported: dict[str, int] = {}  # key -> base pointer
 _host_lock = threading.Lock()  # host slots are mapped from worker threads
 
 
 def map_device(imp: Import, device: int) -> int:
-    """The base pointer of `imp`'s allocation in `device`'s address space."""
+    """The base pointer of `imp`'s export as `device` reads it (a host slot: its mapping)."""
     if imp.key in exported and imp.owner_pid == os.getpid():
         return exported[imp.key]
     if imp.host:
