@@ -7,6 +7,7 @@ Drivers translate their library's failures into `TransportError` subclasses.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -181,3 +182,20 @@ def check_span(what: str, offset: int, nbytes: int, size: int) -> None:
             f"{what} range [{offset}, {offset + nbytes}) lies outside the registered "
             f"{size} bytes"
         )
+
+
+def writable_bytes(driver: str, memory: Any) -> memoryview:
+    """`memory` (a buffer) as a writable byte view, or `InvalidArgumentError` naming why
+    `driver` cannot register it: readers write into what is registered."""
+    try:
+        view = memoryview(memory).cast("B")
+    except TypeError as exc:
+        raise InvalidArgumentError(f"{driver} transport cannot register {type(memory).__name__}: {exc}") from exc
+    if view.readonly:
+        raise InvalidArgumentError(f"{driver} transport needs writable memory")
+    return view
+
+
+def address_of(view: memoryview) -> int:
+    """Where a writable byte view's memory starts (0 when empty)."""
+    return ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view)) if view.nbytes else 0

@@ -28,7 +28,7 @@ from weightpull.errors import (
     RegionNotRegisteredError,
     TransportError,
 )
-from weightpull.transport import Region, Remote, Transport, check_span
+from weightpull.transport import Region, Remote, Transport, check_span, writable_bytes
 
 _fabrics: weakref.WeakValueDictionary[str, FakeFabric] = weakref.WeakValueDictionary()
 
@@ -93,12 +93,7 @@ class FakeTransport(Transport):
         self._check_open()
         if device != "cpu":
             raise InvalidArgumentError(f"fake transport holds host memory only, not {device!r}")
-        try:
-            view = memoryview(memory).cast("B")
-        except TypeError as exc:
-            raise InvalidArgumentError(f"fake transport cannot register {type(memory).__name__}: {exc}") from exc
-        if view.readonly:
-            raise InvalidArgumentError("fake transport needs writable memory")
+        view = writable_bytes("fake", memory)
         region = Region(nbytes=view.nbytes, device="cpu", memory=memory, view=view, handle=self.fabric.new_id())
         self.fabric.regions[region.handle] = region
         self.fabric.owners[region.handle] = self.id

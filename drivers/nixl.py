@@ -38,7 +38,7 @@ from weightpull.errors import (
     TransportError,
     WeightpullError,
 )
-from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, address_of, check_span, writable_bytes
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +143,8 @@ def _describe(memory: Any, device: str) -> tuple[int, int, int, str, str, memory
         return addr, nbytes, 0, "DRAM", "cpu", view
     if device != "cpu":
         raise InvalidArgumentError(f"nixl transport registers {device!r} memory as a torch tensor only")
-    try:
-        view = memoryview(memory).cast("B")
-    except TypeError as exc:
-        raise InvalidArgumentError(f"nixl transport cannot register {type(memory).__name__}: {exc}") from exc
-    if view.readonly:
-        raise InvalidArgumentError("nixl transport needs writable memory")
-    addr = ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view)) if view.nbytes else 0
-    return addr, view.nbytes, 0, "DRAM", "cpu", view
+    view = writable_bytes("nixl", memory)
+    return address_of(view), view.nbytes, 0, "DRAM", "cpu", view
 
 
 class NixlTransport(RegionTable, Transport):

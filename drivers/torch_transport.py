@@ -36,7 +36,7 @@ from weightpull.errors import (
     TransportError,
     WeightpullError,
 )
-from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, check_span, writable_bytes
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +126,7 @@ def _flat(memory: Any, device: str) -> tuple[Any, memoryview | None, str]:
         return flat, view, where
     if device != "cpu":
         raise InvalidArgumentError(f"torch transport registers {device!r} memory as a torch tensor only")
-    try:
-        view = memoryview(memory).cast("B")
-    except TypeError as exc:
-        raise InvalidArgumentError(f"torch transport cannot register {type(memory).__name__}: {exc}") from exc
-    if view.readonly:
-        raise InvalidArgumentError("torch transport needs writable memory")
+    view = writable_bytes("torch", memory)
     flat = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
     return flat, view, "cpu"
 

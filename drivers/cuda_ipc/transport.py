@@ -13,7 +13,7 @@ import anyio
 import attrs
 
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError, RegionNotRegisteredError, TransportError
-from weightpull.transport import Region, RegionTable, Remote, Transport, check_span
+from weightpull.transport import Region, RegionTable, Remote, Transport, address_of, check_span, writable_bytes
 
 from . import mappings
 from .driver_api import ALREADY_REGISTERED, HOSTREGISTER_PORTABLE, DeviceMemory, IpcHandle, cuda
@@ -135,14 +135,8 @@ class CudaIpcTransport(RegionTable, Transport):
             return self._pin(region, flat.data_ptr())
         if device != "cpu":
             raise InvalidArgumentError(f"cuda_ipc transport registers {device!r} memory as a torch tensor only")
-        try:
-            view = memoryview(memory).cast("B")
-        except TypeError as exc:
-            raise InvalidArgumentError(f"cuda_ipc transport cannot register {type(memory).__name__}: {exc}") from exc
-        if view.readonly:
-            raise InvalidArgumentError("cuda_ipc transport needs writable memory")
-        address = ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view)) if view.nbytes else 0
-        return self._pin(Region(nbytes=view.nbytes, device="cpu", memory=memory, view=view), address)
+        view = writable_bytes("cuda_ipc", memory)
+        return self._pin(Region(nbytes=view.nbytes, device="cpu", memory=memory, view=view), address_of(view))
 
     def _pin(self, region: Region, address: int) -> Region:
         """Page-lock host memory once, so copies into it run at DMA speed."""
