@@ -92,10 +92,11 @@ async def run(preset: str | None = None, transports: Iterable[str] | None = None
         raise ValueError(f"unknown preset {preset!r}; pick one of {', '.join(PRESETS)}")
     device = "cuda:0" if cuda else "cpu"
     names = list(transports) if transports else runnable()
-    setups = [Setup(n, preset, versions, device) for n in names]
-    for s in list(setups):
-        if s.slot != "cpu":  # a driver reading GPU memory at device speed reads host slots too: both paths
-            setups.insert(setups.index(s) + 1, Setup(s.transport, preset, versions, device, host_slot=True))
+    setups = []
+    for name in names:
+        setups.append(Setup(name, preset, versions, device))
+        if setups[-1].slot != "cpu":  # (fails early, naming a missing extra) a GPU-slot driver reads host slots too
+            setups.append(Setup(name, preset, versions, device, host_slot=True))
     todo = {k: why for k, why in baselines.available(cuda).items()} if with_baselines else {}
     tick = progress(1 + len(setups) * (versions + SLOTS) + sum(versions + 1 for why in todo.values() if why is None))
     try:
