@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -12,6 +14,16 @@ from weightpull.drivers.fake import FakeFabric, FakeTransport
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def settle(pulls: Any, timeout: float = 5.0) -> dict:
+    """A replica's `BackgroundPulls` status once no pull is pending (blocking; polls)."""
+    deadline = time.monotonic() + timeout
+    while (status := pulls.status())["pending"] is not None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the pull did not finish: {status}")
+        time.sleep(0.01)
+    return status
 
 
 @asynccontextmanager

@@ -1,29 +1,19 @@
 """The worker side's mirrors and background pulls, without vLLM: a pulled version lands
 in the spare mirror only, and a torn pull is never handed on."""
 
-import time
 
 import anyio
 import pytest
 
 pytest.importorskip("torch")
 
-from tests.conftest import host_tensors  # noqa: E402
+from tests.conftest import host_tensors, settle  # noqa: E402
 from weightpull import InProcessRegistry, Publisher  # noqa: E402
 from weightpull.drivers.fake import FakeTransport  # noqa: E402
 from weightpull.errors import TornReadError  # noqa: E402
 from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights  # noqa: E402
 
 pytestmark = pytest.mark.anyio
-
-
-def settle(pulls: BackgroundPulls) -> dict:
-    for _ in range(500):
-        status = pulls.status()
-        if status["pending"] is None:
-            return status
-        time.sleep(0.01)
-    raise AssertionError(f"the pull did not finish: {status}")
 
 
 def as_bytes(pulled) -> dict[str, bytes]:

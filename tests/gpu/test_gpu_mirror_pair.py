@@ -4,8 +4,6 @@ background into GPU mirrors over cuda_ipc, then applied into GPU weights."""
 
 from __future__ import annotations
 
-import time
-
 import anyio
 import pytest
 import torch
@@ -14,19 +12,12 @@ from weightpull import InProcessRegistry, Publisher, create_transport
 from weightpull.integrations.gpu_bench import make_tensors
 from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights
 
+from ..conftest import settle
+
 pytestmark = pytest.mark.anyio
 SHAPES = [("model.embed_tokens.weight", (1000, 256)),
           *[(f"model.layers.{i}.mlp.down_proj.weight", (256, 768)) for i in range(4)],
           ("model.norm.weight", (256,))]
-
-
-def settle(pulls: BackgroundPulls) -> dict:
-    for _ in range(1000):
-        status = pulls.status()
-        if status["pending"] is None:
-            return status
-        time.sleep(0.01)
-    raise AssertionError(f"the pull did not finish: {status}")
 
 
 async def test_gpu_mirrors_pull_a_host_slot_and_apply_into_gpu_weights():
@@ -43,7 +34,7 @@ async def test_gpu_mirrors_pull_a_host_slot_and_apply_into_gpu_weights():
             tensors = make_tensors(SHAPES, "cuda:0", seed=version)
             await publisher.publish(version, tensors)
             pulls.prefetch(version)
-            assert (await anyio.to_thread.run_sync(settle, pulls))["pulled"] == version
+            assert (await anyio.to_thread.run_sync(settle, pulls, 10.0))["pulled"] == version
             pulled = pulls.take(version)
             assert pulled.region.device == "cuda:0"
             for name, mirror in checkpoint_weights(pulled):  # the apply: one device copy per tensor
