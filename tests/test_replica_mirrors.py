@@ -1,7 +1,6 @@
 """The worker side's mirrors and background pulls, without vLLM: a pulled version lands
 in the spare mirror only, and a torn pull is never handed on."""
 
-
 import anyio
 import pytest
 
