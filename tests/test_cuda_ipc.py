@@ -31,7 +31,7 @@ from weightpull import (
     create_transport,
     list_transports,
 )
-from weightpull.drivers.cuda_ipc import CudaIpcTransport, driver_api, lanes, owners, sweep_dead_owners, transport
+from weightpull.drivers.cuda_ipc import CudaIpcTransport, driver_api, lanes, mappings, owners, sweep_dead_owners, transport
 from weightpull.drivers.cuda_ipc.owners import boot_id
 
 OWNER = textwrap.dedent("""
@@ -297,3 +297,27 @@ def test_merged_copies_move_exactly_the_bytes_the_reads_ask_for(spans, cap):
         for i in range(n):
             got[dst + i] = src + i
     assert got == want and sum(n for *_, n in fake.copies) == sum(r[4] for r in reads)
+
+
+def test_a_host_slot_this_process_exported_is_read_in_place_and_a_peers_is_mapped(monkeypatch):
+    """Reading its own export, a process uses the owner's pointer (no second mapping, no
+    second page-lock); a peer's host slot needs mapping, once."""
+    fake = _FakeCuda()
+    fake.cuMemHostRegister_v2 = fake.cuMemHostUnregister = lambda *args: 0
+    monkeypatch.setattr(driver_api, "_cuda", fake)
+    t = CudaIpcTransport()
+    t._index = 0  # the device, without asking torch for one
+    region = t.allocate(4096, "cpu")
+    own = t.connect(t.export(region)).handle
+    assert own.in_place and not own.needs_host_map
+    assert mappings.map_device(own, 0) == region.handle.pointer
+    peers = owners.OwnerFile(4096, data=True)
+    try:
+        peer = t.connect(_descriptor(peers.path, 4096, memory="host", handle="", offset=owners.DATA_OFFSET)).handle
+        assert not peer.in_place and peer.needs_host_map
+        peer.mapped_host = True
+        assert not peer.needs_host_map  # mapped once
+    finally:
+        peers.release(owners.CLOSED)
+    t.deregister(region)
+    assert not own.in_place  # no longer this process's export

@@ -34,6 +34,15 @@ class Import:
     # what the owner exported: mapped once per process, however many remotes use it
     key: str = attrs.field(init=False, default=attrs.Factory(lambda s: s.path if s.host else s.handle.hex(), takes_self=True))
 
+    @property
+    def in_place(self) -> bool:
+        """Exported by this very process: read through the owner's own pointer, not mapped."""
+        return self.key in own_exports and self.owner_pid == os.getpid()
+
+    @property
+    def needs_host_map(self) -> bool:
+        return self.host and self.connected and not self.mapped_host and not self.in_place
+
     def check_owner(self, what: str) -> None:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -48,14 +57,14 @@ class Import:
 # Per process: an export is mapped once per (key, device) however many remotes use it (a
 # host slot once, device -1), and one exported by this very process is read in place.
 mapped: dict[tuple[str, int], list[int]] = {}  # -> [pointer, users]; a host slot's also the device that locked it, or -1
-exported: dict[str, int] = {}  # key -> base pointer
+own_exports: dict[str, int] = {}  # this process's exports: key -> base pointer
 _host_lock = threading.Lock()  # host slots are mapped from worker threads
 
 
 def map_device(imp: Import, device: int) -> int:
     """The base pointer of `imp`'s export as `device` reads it (a host slot: its mapping)."""
-    if imp.key in exported and imp.owner_pid == os.getpid():
-        return exported[imp.key]
+    if imp.in_place:
+        return own_exports[imp.key]
     if imp.host:
         return mapped[(imp.key, -1)][0]  # `map_host` ran first
     key = (imp.key, device)
@@ -83,7 +92,7 @@ def map_host(imp: Import, device: int) -> None:
     """Map a host slot read-only and page-lock it, once per process: seconds for gigabytes,
     so the caller runs it in a worker thread."""
     with _host_lock:
-        if imp.mapped_host or not imp.connected or (imp.key in exported and imp.owner_pid == os.getpid()):
+        if not imp.needs_host_map:
             return
         key = (imp.key, -1)
         entry = mapped.get(key)

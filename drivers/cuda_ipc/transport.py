@@ -165,7 +165,7 @@ class CudaIpcTransport(RegionTable, Transport):
                 cu.check(cu.cuMemHostUnregister(reg.pointer), f"unpinning {region.nbytes} bytes of host memory")
             reg.pinned = False
         if reg.export is not None:
-            mappings.exported.pop(reg.key, None)
+            mappings.own_exports.pop(reg.key, None)
             reg.export.release(DEREGISTERED)
 
     def export(self, region: Region) -> bytes:
@@ -180,7 +180,7 @@ class CudaIpcTransport(RegionTable, Transport):
             raise InvalidArgumentError("cuda_ipc exports host memory it allocated itself (shared memory a reader "
                                        "can map): let this transport allocate the slot")
         reg.key = reg.export.path
-        mappings.exported[reg.key] = reg.pointer
+        mappings.own_exports[reg.key] = reg.pointer
         return self._descriptor(reg, "host", "", DATA_OFFSET, region.nbytes)
 
     def _export_device(self, region: Region, reg: _Registration) -> bytes:
@@ -196,7 +196,7 @@ class CudaIpcTransport(RegionTable, Transport):
                     f"CUDA cannot export that memory ({cu.error_name(result)}): CUDA IPC exports plain "
                     "device allocations, not expandable segments; let this transport allocate the slot")
             reg.key, offset = bytes(raw).hex(), reg.pointer - base  # all 64 bytes, NULs too
-            mappings.exported[reg.key] = base
+            mappings.own_exports[reg.key] = base
         reg.export = OwnerFile(region.nbytes)
         return self._descriptor(reg, "device", reg.key, offset, region.nbytes)
 
@@ -254,7 +254,7 @@ class CudaIpcTransport(RegionTable, Transport):
         self._check_open()
         checked: set[Import] = set()  # owners asked once per call
         for imp in {r[0].handle for r in reads if r[4] and isinstance(r[0].handle, Import)}:
-            if imp.host and imp.connected and not imp.mapped_host and imp.key not in mappings.exported:
+            if imp.needs_host_map:
                 imp.check_owner(f"reading a region of process {imp.owner_pid}")  # before pinning gigabytes
                 checked.add(imp)
                 await anyio.to_thread.run_sync(mappings.map_host, imp, self.device)
