@@ -116,6 +116,12 @@ class DigestMismatchError(PullError):
     """A bucket's bytes did not match the digest the publisher recorded."""
 
 
+class NoProgressError(PullError, TimeoutError):
+    """No read of a pull landed for the puller's whole `stall_timeout`: the source makes
+    no progress (its publisher hangs, or does not serve its transport's progress). A
+    slow source whose reads keep landing is not this."""
+
+
 class VersionWaitTimeoutError(WeightpullError, TimeoutError):
     """No version at least as new as the one asked for arrived in time."""
 
