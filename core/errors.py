@@ -162,6 +162,21 @@ class ApplyError(WeightpullError):
         self.version, self.restored = version, restored
 
 
+class IncompleteApplyError(WeightpullError):
+    """An apply did not reach every weight the engine computes with: a layer got none or
+    only some of its weights (it would keep the previous version's), a published tensor
+    loaded nowhere, or tied tensors were published with different bytes. Names them."""
+
+
+class ApplyCheckError(WeightpullError):
+    """The check after an apply found tensors the engine's kernels use whose bytes differ
+    from what the same loading makes of the pulled copy. Names them."""
+
+
+class UnsupportedModelError(WeightpullError):
+    """An engine's model cannot be updated in place whole; refused at start-up."""
+
+
 class AgentFailedError(WeightpullError):
     """A replica's update agent stopped on an error; what waited on it fails with this,
     chained to the cause, instead of waiting forever."""
