@@ -11,10 +11,12 @@ from .clock import Clock, FakeClock, MonotonicClock
 from .dispatcher import Dispatcher, Prompt
 from .errors import (
     AgentFailedError,
+    ApplyCheckError,
     ApplyError,
     AuthenticationError,
     DigestMismatchError,
     DriverUnavailableError,
+    IncompleteApplyError,
     InvalidArgumentError,
     InvalidTransitionError,
     LeaseExpiredError,
@@ -37,6 +39,7 @@ from .errors import (
     TornReadError,
     TransportError,
     UnknownDriverError,
+    UnsupportedModelError,
     VersionInUseError,
     VersionNotFoundError,
     VersionOrderError,
@@ -60,6 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFailedError",
+    "ApplyCheckError",
     "ApplyError",
     "AuthenticationError",
     "Bucket",
@@ -72,6 +76,7 @@ __all__ = [
     "Group",
     "HostTensor",
     "InProcessRegistry",
+    "IncompleteApplyError",
     "InvalidArgumentError",
     "InvalidTransitionError",
     "Layout",
@@ -118,6 +123,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "UnknownDriverError",
+    "UnsupportedModelError",
     "UpdateAgent",
     "VersionInUseError",
     "VersionNotFoundError",
