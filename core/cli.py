@@ -1,17 +1,111 @@
-"""The `weightpull` command line."""
+"""The `weightpull` command line.
+
+Every command ends the same way on a failure: one `error:` line on stderr naming the cause
+and the fix, exit status 2 for a wrong command line and 1 for a failure while running, and
+with `--json` an `{"error": {...}}` object on stdout too. `main` does this for all of them;
+commands raise typed errors and never print their own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import sys
+from typing import Any
 
 import anyio
 
 from . import __version__
-from .transports import list_transports
+from .errors import (
+    DriverUnavailableError,
+    InvalidArgumentError,
+    ProtocolError,
+    RegistryError,
+    RegistryUnavailableError,
+    UnknownDriverError,
+    WeightpullError,
+)
+from .transports import list_transports, transport_class
+
+
+class UsageError(InvalidArgumentError):
+    """The command line is wrong (exit status 2); the message says what to pass instead."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's usage-and-exit, as one line through main()
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _count(minimum: int) -> Any:
+    """An argparse type: a whole number of at least `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def _bind(text: str) -> str:
+    """An argparse type: a ZeroMQ endpoint to listen on, checked before any socket is
+    made, so a slip gets a sentence instead of zmq's 'Invalid argument'."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: write tcp://{text}")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not (colon and host and (port == "*" or port.isdigit() and int(port) <= 65535)):
+            raise argparse.ArgumentTypeError(f"{text!r} needs a host and a port, as in tcp://127.0.0.1:5555 "
+                                             "(port 0 picks a free one)")
+    elif scheme not in ("ipc", "inproc") or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint to listen on: write tcp://HOST:PORT or ipc://PATH")
+    return text
+
+
+def _check_transport(name: str) -> str:
+    """`name` if its driver loads here; else a usage error (no such driver) or a runtime
+    one (known, but its library is missing), each saying what to do."""
+    hint = "`weightpull drivers` lists those that load here"
+    try:
+        transport_class(name)
+    except UnknownDriverError as exc:
+        raise UsageError(f"--transport: {exc} ({hint})") from None
+    except DriverUnavailableError as exc:
+        raise DriverUnavailableError(f"{exc} (or pick another --transport; {hint})") from None
+    return name
+
+
+def _needs(extra: str, what: str, exc: ImportError) -> DriverUnavailableError:
+    return DriverUnavailableError(f"{what} needs the {extra} extra: pip install 'weightpull[{extra}]' ({exc})")
+
+
+def _version() -> str:
+    """The installed distribution's version, which `pip show weightpull` reports too."""
+    try:
+        return importlib.metadata.version("weightpull")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -24,7 +118,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, default_transport, run_demo
 
     cfg = DemoConfig(
-        transport=args.transport or default_transport(),
+        transport=_check_transport(args.transport) if args.transport else default_transport(),
         size_mib=args.size_mib,
         versions=args.versions,
         replicas=args.replicas,
@@ -32,21 +126,20 @@ def _demo(args: argparse.Namespace) -> int:
         ttl=args.ttl,
         registry=args.registry,
     )
-    try:
-        summary = anyio.run(run_demo, cfg)
-    except KeyboardInterrupt:  # the replica processes are gone already
-        print("interrupted", file=sys.stderr)
-        return 130
+    summary = anyio.run(run_demo, cfg)
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 
 
 def _demo_vllm(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("vllm") is None:
+        raise DriverUnavailableError("demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' "
+                                     "(or `make setup`, which installs its CPU build)")
     from weightpull.integrations.vllm.demo import VllmDemoConfig, run
 
-    cfg = VllmDemoConfig(transport=args.transport or "nixl", registry=args.registry, versions=args.versions,
-                         replicas=args.replicas, tear=not args.no_tear, ttl=args.ttl)
+    cfg = VllmDemoConfig(transport=_check_transport(args.transport or "nixl"), registry=args.registry,
+                         versions=args.versions, replicas=args.replicas, tear=not args.no_tear, ttl=args.ttl)
     summary = run(cfg)
     if args.json:
         print(json.dumps(summary))
@@ -66,24 +159,24 @@ def _drivers(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.transport:
+        _check_transport(args.transport)
     if args.size is None:
         return _model_bench(args)
     from .bench import BenchConfig, _options, parse_size, run_bench, summary_lines
-    from .errors import WeightpullError
 
     def say(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
     if args.preset:
-        return _fail("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
+        raise UsageError("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
+    cfg = BenchConfig(transport=args.transport or "fake", size=parse_size(args.size), repeat=args.repeat,
+                      bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
+                      options=_options(args.option))
     try:
-        cfg = BenchConfig(transport=args.transport or "fake", size=parse_size(args.size), repeat=args.repeat,
-                          bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
-                          options=_options(args.option))
         result = anyio.run(run_bench, cfg, say)
-    except WeightpullError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except RuntimeError as exc:  # the publisher process died: the bench says how
+        raise WeightpullError(str(exc)) from exc
     print("\n".join(summary_lines(result)), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -91,17 +184,17 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _model_bench(args: argparse.Namespace) -> int:
-    from .errors import WeightpullError
-
     try:
         from weightpull.integrations import bench
     except ImportError as exc:
-        return _fail(f"the bench needs torch: pip install 'weightpull[torch]' ({exc})")
+        raise _needs("torch", "the bench", exc) from None
     try:
         result = anyio.run(lambda: bench.run(args.preset, [args.transport] if args.transport else None,
                                              args.versions, not args.no_baselines))
-    except (WeightpullError, ValueError, RuntimeError) as exc:
-        return _fail(exc)
+    except ValueError as exc:  # an unknown preset, say: the command line's
+        raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # a process of the bench died: the bench says how
+        raise WeightpullError(str(exc)) from exc
     print("\n".join(bench.table(result)), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -114,59 +207,56 @@ def _address(args: argparse.Namespace) -> str | None:
     return args.registry or os.environ.get(REGISTRY_ENV) or None
 
 
-def _fail(exc: BaseException) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 1
-
-
 def _registry_serve(args: argparse.Namespace) -> int:
-    from .errors import WeightpullError
-
     try:
         from weightpull.drivers.zmq_registry.server import DEFAULT_BIND, RegistryServer, run_server
         from weightpull.drivers.zmq_registry.wire import SECRET_ENV, load_secret
     except ImportError as exc:
-        return _fail(f"serving the registry needs pyzmq: pip install 'weightpull[service]' ({exc})")
-    try:
-        secret = load_secret(args.secret_file)
-        server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret)
+        raise _needs("service", "serving the registry", exc) from None
+    secret = load_secret(args.secret_file)
+    server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret)
+    listening = False
+
+    def ready(endpoint: str) -> None:
+        nonlocal listening
+        listening = True
         if secret is None:
             print(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
                   "local process can publish, lease and read state", file=sys.stderr)
-
-        def ready(endpoint: str) -> None:
+        if args.json:  # the ready line for programs: one JSON object
+            print(json.dumps({"listening": endpoint, "run": server.epoch, "pid": os.getpid()}), flush=True)
+        else:
             print(f"weightpull registry listening on {endpoint} (run {server.epoch})", flush=True)
 
+    try:
         anyio.run(run_server, server, ready)
-    except WeightpullError as exc:
-        return _fail(exc)
+    except Exception as exc:
+        cause = _cause(exc)
+        if listening or not isinstance(cause, RegistryError):
+            raise
+        # Before it listened, the one thing that can fail is the bind.
+        raise RegistryError(f"{cause}: stop what listens there, or pick a free port or an address of this "
+                            "host with --bind (tcp://HOST:0 picks a free port)") from None
     return 0
 
 
 def _registry_bench(args: argparse.Namespace) -> int:
-    from .errors import DriverUnavailableError, WeightpullError
-
     try:
         from weightpull.drivers.zmq_registry import bench
         from weightpull.drivers.zmq_registry.wire import load_secret
     except ImportError as exc:
-        return _fail(DriverUnavailableError(f"the bench needs pyzmq: pip install 'weightpull[service]' ({exc})"))
+        raise _needs("service", "the registry bench", exc) from None
 
     def measure(address: str, secret: bytes | None) -> bench.BenchResult:
         return anyio.run(lambda: bench.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
 
-    try:
-        if args.clients < 1 or args.seconds <= 0:
-            return _fail("--clients must be at least 1 and --seconds positive")
-        address = _address(args)
-        if address:
-            result = measure(address, load_secret(args.secret_file))
-        else:
-            with bench.own_server() as (address, secret):
-                anyio.run(bench.publish_one, address, secret)
-                result = measure(address, secret)
-    except WeightpullError as exc:
-        return _fail(exc)
+    address = _address(args)
+    if address:
+        result = measure(address, load_secret(args.secret_file))
+    else:
+        with bench.own_server() as (address, secret):
+            anyio.run(bench.publish_one, address, secret)
+            result = measure(address, secret)
     print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
     return 0
 
@@ -186,48 +276,107 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of each table `status` shows, plain or live.
+    No publisher liveness yet: the registry does not track it (issue 13 adds it)."""
+    versions = [[f"v{v.version}", str(v.state), v.publisher, str(v.slot), _size(v.nbytes), f"{v.age:.1f} s",
+                 str(v.live_leases), v.reason] for v in status.versions]
+    leases = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
+    serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
+    return [("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
+            ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
+            ("serving", ["REPLICA", "VERSION"], serving)]
+
+
+def _status_title(address: str, run: str, status: Any) -> str:
+    newest = "none" if status.newest_ready is None else f"v{status.newest_ready}"
+    return f"registry {address} (run {run}); newest READY: {newest}"
+
+
+def _status_address(args: argparse.Namespace) -> str:
+    """--registry, else $WEIGHTPULL_REGISTRY, else where `registry serve` binds by default."""
+    from weightpull.drivers.zmq_registry.server import DEFAULT_BIND
+
+    return _address(args) or DEFAULT_BIND
+
+
 def _status(args: argparse.Namespace) -> int:
-    from .errors import WeightpullError
     from .registry import REGISTRY_ENV, connect_registry
 
-    address = _address(args)
-    if not address:
-        return _fail(f"status reads a served registry: pass --registry ADDRESS or set ${REGISTRY_ENV}")
-
-    async def fetch():
+    if args.watch and args.json:
+        raise UsageError("--watch draws a live table and --json prints one object: pass one")
+    try:
         from weightpull.drivers.zmq_registry.wire import load_secret
 
-        reg = connect_registry(address, secret=load_secret(args.secret_file), retry_for=args.timeout)
+        address = _status_address(args)
+    except ImportError as exc:
+        raise _needs("service", "status", exc) from None
+    secret = load_secret(args.secret_file)
+
+    async def read(show: Any) -> None:
+        reg = connect_registry(address, secret=secret, retry_for=args.timeout)
         try:
-            return await reg.status(), reg.epoch
+            while True:
+                try:
+                    status = await reg.status()
+                except RegistryUnavailableError as exc:
+                    raise RegistryUnavailableError(
+                        f"{exc}: is `weightpull registry serve` running there? Start it, or pass --registry "
+                        f"ADDRESS or set ${REGISTRY_ENV} to reach another one") from None
+                show(status, reg.epoch)
+                if not args.watch:
+                    return
+                await anyio.sleep(args.watch)
         finally:
             await reg.aclose()
 
+    if args.watch:
+        return _status_watch(args, address, read)
+
+    def show(status: Any, run: str) -> None:
+        if args.json:
+            print(json.dumps({"registry": address, "run": run, **status.to_dict()}))
+            return
+        lines = [_status_title(address, run, status)]
+        for title, header, rows in _status_sections(status):
+            lines.append(f"{title}:")
+            lines += _table([header, *rows]) if rows else ["  (none)"]
+        print("\n".join(lines))
+
+    anyio.run(read, show)
+    return 0
+
+
+def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
+    """The status as a live table (rich), read again every --watch seconds until Ctrl-C."""
     try:
-        status, run = anyio.run(fetch)
-    except WeightpullError as exc:
-        return _fail(exc)
-    if args.json:
-        print(json.dumps({"registry": address, "run": run, **status.to_dict()}))
-        return 0
-    newest = "none" if status.newest_ready is None else f"v{status.newest_ready}"
-    lines = [f"registry {address} (run {run}); newest READY: {newest}", "versions:"]
-    rows = [[f"v{v.version}", str(v.state), v.publisher, str(v.slot), _size(v.nbytes), f"{v.age:.1f} s",
-             str(v.live_leases), v.reason] for v in status.versions]
-    lines += _table([["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], *rows]) if rows else ["  (none)"]
-    lines.append("leases:")
-    rows = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
-    lines += _table([["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], *rows]) if rows else ["  (none)"]
-    lines.append("serving:")
-    rows = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
-    lines += _table([["REPLICA", "VERSION"], *rows]) if rows else ["  (none)"]
-    print("\n".join(lines))
+        from rich.console import Group
+        from rich.live import Live
+        from rich.table import Table
+    except ImportError as exc:
+        raise _needs("service", "status --watch", exc) from None
+
+    def view(status: Any, run: str) -> Group:
+        tables = []
+        for title, header, rows in _status_sections(status):
+            table = Table(*header, title=title, title_justify="left", expand=False)
+            for row in rows:
+                table.add_row(*row)
+            tables.append(table)
+        note = f"refreshed every {args.watch:g} s; Ctrl-C stops"
+        return Group(_status_title(address, run, status), *tables, note)
+
+    with Live(auto_refresh=False, transient=False) as live:
+        try:
+            anyio.run(read, lambda status, run: live.update(view(status, run), refresh=True))
+        except KeyboardInterrupt:  # how a watch ends
+            return 0
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightpull", description="Move versioned model weights from a trainer to inference replicas, by pull.")
-    p.add_argument("--version", action="version", version=f"weightpull {__version__}")
+    p = _Parser(prog="weightpull", description="Move versioned model weights from a trainer to inference replicas, by pull.")
+    p.add_argument("--version", action="version", version=f"weightpull {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's debug messages to stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -240,10 +389,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine", choices=("none", "vllm"), default="none",
                       help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
                       "(docs/vllm.md; --size-mib does not apply) (default: none)")
-    demo.add_argument("--size-mib", type=int, default=256, help="MiB published per version, after the bf16 cast (default: 256)")
-    demo.add_argument("--versions", type=int, default=6, help="versions the trainer publishes (default: 6)")
-    demo.add_argument("--replicas", type=int, default=2, help="replica pullers, at least 2 (default: 2)")
-    demo.add_argument("--ttl", type=float, default=2.0, help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)")
+    demo.add_argument("--size-mib", type=_count(1), default=256, help="MiB published per version, after the bf16 cast (default: 256)")
+    demo.add_argument("--versions", type=_count(2), default=6, help="versions the trainer publishes, at least 2 (default: 6)")
+    demo.add_argument("--replicas", type=_count(2), default=2, help="replica pullers, at least 2 (default: 2)")
+    demo.add_argument("--ttl", type=_positive, default=2.0, help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)")
     demo.add_argument("--no-tear", action="store_true", help="do not tear a read on purpose")
     demo.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
     demo.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else one in the "
@@ -267,11 +416,11 @@ def parser() -> argparse.ArgumentParser:
     pull_bench.add_argument("--transport", help="one transport driver (default: every one that loads here; with --size, fake)")
     pull_bench.add_argument("--preset", help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
                             "(default: 8b with a GPU, else 0.6b)")
-    pull_bench.add_argument("--versions", type=int, default=3, help="measured versions per transport (after one per trainer slot) and updates per "
+    pull_bench.add_argument("--versions", type=_count(1), default=3, help="measured versions per transport (after one per trainer slot) and updates per "
                             "baseline (after one) (default: 3)")
     pull_bench.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
     pull_bench.add_argument("--size", help="bytes per version, instead of a preset: 256M, 1G, ...")
-    pull_bench.add_argument("--repeat", type=int, default=5, help="with --size: timed pulls, after one to warm up (default: 5)")
+    pull_bench.add_argument("--repeat", type=_count(1), default=5, help="with --size: timed pulls, after one to warm up (default: 5)")
     pull_bench.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
     pull_bench.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
     pull_bench.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",
@@ -284,36 +433,94 @@ def parser() -> argparse.ArgumentParser:
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ, or benchmark a served one")
     rsub = registry.add_subparsers(dest="registry_command", required=True)
     serve = rsub.add_parser("serve", help="serve a registry to publishers and replicas in other processes and hosts",
-                            description="Serve the registry over ZeroMQ; prints one line saying where it listens once "
-                            "ready. Requests and replies are signed with the secret from $WEIGHTPULL_SECRET or "
-                            "--secret-file; without one it serves loopback addresses only. State lives in memory: "
-                            "after a restart, clients re-announce what they stand by (docs/registry-service.md).")
-    serve.add_argument("--bind", help="ZeroMQ endpoint to listen on (default: tcp://127.0.0.1:5555; port 0 picks a free one)")
+                            description="Serve the registry over ZeroMQ until SIGINT or SIGTERM. Once it listens it "
+                            "prints one line on stdout: 'weightpull registry listening on ENDPOINT (run RUN)', or with "
+                            "--json one JSON object, {\"listening\": ENDPOINT, \"run\": RUN, \"pid\": PID}. Requests "
+                            "and replies are signed with the secret from $WEIGHTPULL_SECRET or --secret-file; without "
+                            "one it serves loopback addresses only. State lives in memory: after a restart, clients "
+                            "re-announce what they stand by (docs/registry-service.md).")
+    serve.add_argument("--bind", type=_bind, help="ZeroMQ endpoint to listen on, tcp://HOST:PORT or ipc://PATH "
+                       "(default: tcp://127.0.0.1:5555, where status looks by default; port 0 picks a free one)")
     serve.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    serve.add_argument("--json", action="store_true", help="print the ready line (and any error) as one JSON object")
     serve.set_defaults(func=_registry_serve)
 
     bench = rsub.add_parser("bench", help="lease acquire/release round trips per second and p99 latency",
                             description="Concurrent clients loop lease acquire+release on the newest READY version. "
                             "With --registry (or $WEIGHTPULL_REGISTRY) it only leases what is there; without, it "
                             "starts its own server process.")
-    bench.add_argument("--clients", type=int, default=8, help="concurrent clients (default: 8)")
-    bench.add_argument("--seconds", type=float, default=3.0, help="measured time (default: 3)")
+    bench.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
+    bench.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
     bench.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)")
     bench.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
     bench.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     bench.set_defaults(func=_registry_bench)
 
-    status = sub.add_parser("status", help="a served registry's versions, live leases and what each replica serves")
-    status.add_argument("--registry", help="address of the served registry (default: $WEIGHTPULL_REGISTRY)")
+    status = sub.add_parser("status", help="a served registry's versions, live leases and what each replica serves",
+                            description="Read a served registry's versions, live leases and the version each "
+                            "replica reports serving. Publishers' liveness is not shown: the registry does not "
+                            "track it yet.")
+    status.add_argument("--registry", help="address of the served registry (default: $WEIGHTPULL_REGISTRY, else "
+                        "tcp://127.0.0.1:5555, where `registry serve` binds by default)")
     status.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to keep trying to reach it (default: 5)")
-    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)")
+    status.add_argument("--watch", type=_positive, nargs="?", const=2.0, metavar="SECONDS",
+                        help="a live table, read again every SECONDS (default: 2) until Ctrl-C (needs rich, "
+                        "in the service extra)")
+    status.add_argument("--json", action="store_true", help="print the status (or the error) as one JSON object")
     status.set_defaults(func=_status)
     return p
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The first error inside task groups' ExceptionGroups: the one to name."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _exit_status(exc: BaseException) -> int:
+    """2 when the command line was wrong, 1 when running failed."""
+    if isinstance(exc, UnknownDriverError):
+        return 2
+    # A malformed message off the wire is an InvalidArgumentError too, but not the user's input.
+    if isinstance(exc, InvalidArgumentError) and not isinstance(exc, (ProtocolError, RegistryError)):
+        return 2
+    return 1
+
+
+def _report(exc: BaseException, as_json: bool) -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message
+    if isinstance(exc, ImportError) and not isinstance(exc, DriverUnavailableError):
+        message += " (an optional dependency is missing: the README's extras say which one brings it)"
+    status = _exit_status(exc)
+    print(f"error: {message}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": {"type": type(exc).__name__, "message": message, "exit_status": status}}))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    argv = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in argv  # known before parsing, so a usage error answers in JSON too
+    try:
+        args = parser().parse_args(argv)
+        as_json = bool(getattr(args, "json", False))
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+        return status
+    except BaseException as exc:  # SystemExit (--help) and bugs are raised again below
+        cause = _cause(exc)
+        if isinstance(cause, BrokenPipeError):
+            # The reader left (`weightpull status | head -4`): stop quietly, with the status
+            # of a command killed by SIGPIPE; nothing more may reach the closed stdout.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        if isinstance(cause, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+            return 130
+        if isinstance(cause, (WeightpullError, ImportError, OSError)):
+            return _report(cause, as_json)
+        raise  # a bug: its traceback is what a report of it needs

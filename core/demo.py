@@ -33,7 +33,7 @@ import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .bench import IN_PROCESS_DRIVERS
-from .errors import TornReadError, WeightpullError
+from .errors import DriverUnavailableError, InvalidArgumentError, TornReadError, WeightpullError
 from .publisher import Publisher
 from .puller import Pulled, Puller
 from .registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
@@ -71,7 +71,7 @@ def default_transport() -> str:
     return "nixl"
 
 
-class DemoError(Exception):
+class DemoError(WeightpullError):
     """The demo could not run to its checks (a replica process died, ...)."""
 
 
@@ -79,7 +79,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise SystemExit("weightpull demo needs torch: pip install 'weightpull[torch]'") from exc
+        raise DriverUnavailableError(f"weightpull demo needs torch: pip install 'weightpull[torch]' ({exc})") from None
     return torch
 
 
@@ -301,8 +301,9 @@ def _registry(cfg: DemoConfig, in_process: bool) -> tuple[Registry, Any, dict[st
 
 
 async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
-    if cfg.replicas < 2 or cfg.versions < 2:
-        raise SystemExit("the demo needs at least 2 replicas and 2 versions")
+    if cfg.replicas < 2 or cfg.versions < 2 or cfg.size_mib < 1 or not cfg.ttl > 0:
+        raise InvalidArgumentError("the demo needs at least 2 replicas, 2 versions, 1 MiB per version and a "
+                                   f"positive TTL; got {cfg.replicas}, {cfg.versions}, {cfg.size_mib} and {cfg.ttl}")
     say = Progress(stream)
     model = SyntheticModel(cfg.size_mib << 20)
     nbytes = model.published_bytes
@@ -346,11 +347,11 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
                         starting.start_soon(work.start, replica, i)
                 work.start_soon(trainer)
             tg.cancel_scope.cancel()  # the registry server and publisher.serve: no reader is left
-    except* DemoError as group:
+    except* DemoError as group:  # the first, not a group: what failed is one replica
         error: BaseException = group
         while isinstance(error, BaseExceptionGroup):
             error = error.exceptions[0]
-        raise SystemExit(f"error: {error}") from None
+        raise error from None
     finally:
         with anyio.CancelScope(shield=True):
             await publisher.aclose()

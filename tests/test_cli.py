@@ -105,4 +105,4 @@ def test_a_replica_process_that_dies_fails_the_demo_and_stops_the_other():
 
 def test_demo_refuses_bad_arguments():
     proc = run("demo", "--replicas", "1", check=False)
-    assert proc.returncode != 0 and "at least 2 replicas" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == "error: argument --replicas: must be at least 2, got 1 (see weightpull demo --help)\n"
