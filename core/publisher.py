@@ -3,6 +3,10 @@
 Slots are registered once (re-registered only when the model outgrows them). A slot is
 written only after the registry agrees to reclaim the version it held, which it refuses
 while any lease on that version is alive, so a reader never sees its slot change.
+
+Used as `async with Publisher(...) as publisher:`, it serves its transport's progress
+for as long as the block runs (some transports complete a reader's read only while the
+owner makes progress) and deregisters its slots on the way out.
 """
 
 from __future__ import annotations
@@ -114,6 +118,50 @@ class Publisher:
         self.last_version: int | None = None
         self._plans: tuple[Any, tuple[Layout, tuple[Rows, ...], Layout]] | None = None  # (what, plan)
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
+        self._serving: anyio.abc.TaskGroup | None = None  # while used as a context manager
+        self._last: PublishResult | None = None
+        self._counts = {"published": 0, "skipped": 0, "failed": 0}
+
+    async def __aenter__(self) -> Publisher:
+        if self._serving is not None:
+            raise InvalidArgumentError(f"publisher {self.name!r} is already in use as a context manager")
+        self._serving = anyio.create_task_group()
+        await self._serving.__aenter__()
+        self._serving.start_soon(self.serve)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Stop serving, then deregister the slots. The block's own exception propagates
+        as it is; if serving failed (which cancels the block), its error does; if both
+        did, a group of the two."""
+        serving, self._serving = self._serving, None
+        assert serving is not None
+        serving.cancel_scope.cancel()
+        try:
+            return await serving.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) > 1:
+                raise  # the block and serving both failed
+            if group.exceptions[0] is exc_info[1]:
+                return False  # the block's own exception: let it go on, unwrapped
+            raise group.exceptions[0] from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+
+    def metrics(self) -> dict[str, int | float]:
+        """This publisher's figures, flat, for a trainer's logger: the last publish's
+        version, the seconds it held the caller and, unless it skipped, the bytes in its
+        slot; and counts since this publisher was made: versions published, skipped for
+        want of a free slot, and failed."""
+        out: dict[str, int | float] = {f"publish/{k}": v for k, v in self._counts.items()}
+        last = self._last
+        if last is not None:
+            out["publish/version"] = last.version
+            out["publish/block_s"] = last.blocked_s
+            if last.manifest is not None:
+                out["publish/bytes"] = last.manifest.nbytes
+        return out
 
     async def publish(
         self,
@@ -133,7 +181,14 @@ class Publisher:
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:  # one publish at a time: slots are taken and filled in turn
-            return await self._publish(version, tensors, shard)
+            try:
+                result = await self._publish(version, tensors, shard)
+            except Exception:
+                self._counts["failed"] += 1
+                raise
+            self._counts["skipped" if result.skipped else "published"] += 1
+            self._last = result
+            return result
 
     async def _publish(
         self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
@@ -259,9 +314,11 @@ class Publisher:
         return await anyio.to_thread.run_sync(digest_all)
 
     async def serve(self) -> None:
-        """Run beside the trainer (`tg.start_soon(publisher.serve)`) for as long as replicas
-        may read: some transports complete a peer's read only while its owner makes
-        progress. Returns at once for transports that need none."""
+        """Help replicas' reads of the slots along, until cancelled: some transports
+        complete a peer's read only while its owner makes progress. `async with
+        Publisher(...)` runs it for you; without that, run it beside the trainer
+        (`tg.start_soon(publisher.serve)`) for as long as replicas may read. Returns at
+        once for transports that need none."""
         await self.transport.serve()
 
     async def aclose(self) -> None:

@@ -5,12 +5,15 @@ from weightpull import (
     HostTensor,
     InvalidArgumentError,
     NoFreeSlotError,
+    Publisher,
     PublishError,
     SlotState,
     SlotWaitTimeoutError,
+    TransportError,
     VersionOrderError,
     VersionState,
 )
+from weightpull.transport import WrappedTransport
 
 from .conftest import autojump, host_tensors
 
@@ -194,3 +197,64 @@ async def test_concurrent_publishes_take_turns(world):
             tg.start_soon(pub.publish, v, host_tensors(v))
     assert (await world.registry.newest()).version == 3
     assert await states(world) == {2: VersionState.RETIRED, 3: VersionState.READY}
+
+
+class Progressing(WrappedTransport):
+    """A transport whose reads would need the owner's progress: `serve` loops until
+    cancelled (as nixl's does), counting its rounds, or fails after `fail_after` rounds."""
+
+    def __init__(self, inner, fail_after=None):
+        super().__init__(inner)
+        self.rounds, self.fail_after, self.stopped = 0, fail_after, False
+
+    async def serve(self):
+        try:
+            while True:
+                self.rounds += 1
+                if self.fail_after is not None and self.rounds > self.fail_after:
+                    raise TransportError("progress failed")
+                await anyio.sleep(0.001)
+        finally:
+            self.stopped = True
+
+
+async def test_a_publisher_as_context_manager_serves_its_transport_until_exit(world):
+    transport = Progressing(world.transport())
+    async with Publisher(world.registry, transport, rollout_dtype=None) as pub:
+        result = await pub.publish(1, host_tensors(1))
+        await anyio.sleep(0.02)
+        assert transport.rounds > 1 and not transport.stopped
+    assert transport.stopped
+    assert all(slot.region is None for slot in pub.slots)  # what it registered, it deregistered
+    assert result.manifest is not None and not transport.inner._mine
+
+
+async def test_the_blocks_own_error_leaves_the_publisher_unwrapped(world):
+    transport = Progressing(world.transport())
+    with pytest.raises(ValueError, match="the trainer's"):
+        async with Publisher(world.registry, transport) as pub:
+            await pub.publish(1, host_tensors(1))
+            raise ValueError("the trainer's own failure")
+    assert transport.stopped and all(slot.region is None for slot in pub.slots)
+
+
+async def test_a_failure_to_serve_ends_the_block_with_its_error(world):
+    transport = Progressing(world.transport(), fail_after=3)
+    with pytest.raises(TransportError, match="progress failed"):
+        async with Publisher(world.registry, transport):
+            await anyio.sleep(10)  # cancelled: replicas could not read, so the trainer hears of it
+
+
+async def test_outer_cancellation_of_the_block_stops_serving(world):
+    transport = Progressing(world.transport())
+    with anyio.move_on_after(0.02) as scope:
+        async with Publisher(world.registry, transport):
+            await anyio.sleep(10)
+    assert scope.cancelled_caught and transport.stopped
+
+
+async def test_a_publisher_is_entered_once_at_a_time(world):
+    async with world.publisher() as pub:
+        with pytest.raises(InvalidArgumentError, match="already in use"):
+            async with pub:
+                pass
