@@ -14,6 +14,7 @@ import importlib
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 
 import anyio
 import attrs
@@ -26,6 +27,7 @@ from .errors import (
     InvalidTransitionError,
     LeaseExpiredError,
     LeaseNotFoundError,
+    NoProgressError,
     PeerGoneError,
     RegionNotRegisteredError,
     TornReadError,
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 _MAX_REMOTES = 16
+DEFAULT_STALL_TIMEOUT = 30.0
 
 
 @attrs.frozen
@@ -104,18 +107,24 @@ class Puller:
         device: str = "cpu",
         staging: bool | None = None,
         verify_digests: bool | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         clock: Clock | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
         (`staging=None` decides by `transport.reads_into_gpu`; True or False forces it).
         Digests a publisher recorded are checked on the CPU, so on a host mirror only:
-        `verify_digests=None` checks them there, True insists (refused for a GPU mirror)."""
+        `verify_digests=None` checks them there, True insists (refused for a GPU mirror).
+        A pull in which no read lands for `stall_timeout` seconds ends with
+        `NoProgressError` (None waits forever). Progress is counted per read, and a read
+        is at most a bucket, so the bound must exceed the time one bucket takes."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(f"digests are verified on host mirrors only, not on {device!r}; "
                                        "leave verify_digests unset to skip them there")
         if ttl <= 0:
             raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self.registry = registry
         self.transport = _mirror_transport(transport, device, staging)
         self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
@@ -125,6 +134,7 @@ class Puller:
             raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
         self.device = device
         self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
+        self.stall_timeout = stall_timeout
         self.clock = clock or MonotonicClock()
         self.mirror: Region | None = None
         self.mirror_version: int | None = None  # what the mirror holds, verified
@@ -133,19 +143,55 @@ class Puller:
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._remotes: OrderedDict[bytes, Remote] = OrderedDict()
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
+        self._last: Pulled | None = None
+        self._behind: int | None = None  # versions the mirror lagged when the last pull began
+        self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0}
 
     async def pull(self, version: int | None = None) -> Pulled:
         """Copy the newest READY version (or `version`, if READY) into the mirror.
 
         Raises `TornReadError` if the lease lapsed during the read, `DigestMismatchError`
-        if the publisher recorded digests and a bucket disagrees, or the transport's error
-        after cancelling the other reads. The lease is released on every path. Pulls
-        run one at a time (a prefetch and a forced load may overlap): two at once would
-        write the one mirror together and hand on a mix."""
+        if the publisher recorded digests and a bucket disagrees, `NoProgressError` if no
+        read landed for `stall_timeout`, or the transport's error after cancelling the
+        other reads. The lease is released on every path. Pulls run one at a time (a
+        prefetch and a forced load may overlap): two at once would write the one mirror
+        together and hand on a mix."""
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
-            return await self._pull(version)
+            before = self._last.version if self._last else None
+            try:
+                pulled = await self._pull(version)
+            except WeightpullError as exc:
+                self._counts["failed"] += 1
+                self._counts["torn_reads"] += isinstance(exc, TornReadError)
+                self._counts["stalls"] += isinstance(exc, NoProgressError)
+                raise
+            self._counts["pulls"] += 1
+            # Known only for a pull of the newest: then the version pulled was the newest.
+            self._behind = pulled.version - before if version is None and before is not None else None
+            self._last = pulled
+            return pulled
+
+    def metrics(self) -> dict[str, int | float]:
+        """This puller's figures, flat, for a trainer's or a replica's logger: the last
+        good pull's version, seconds, bytes, GB/s and lease renewals; how many versions
+        the mirror lagged when it began (pulls of the newest after a first one only); and
+        counts since this puller was made: good pulls, failed ones, torn reads among
+        them, and stalls (`NoProgressError`)."""
+        out: dict[str, int | float] = {f"pull/{k}": v for k, v in self._counts.items()}
+        last = self._last
+        if last is not None:
+            out.update({
+                "pull/version": last.version,
+                "pull/seconds": last.seconds,
+                "pull/bytes": last.nbytes,
+                "pull/gbps": last.nbytes / last.seconds / 1e9 if last.seconds > 0 else 0.0,
+                "pull/lease_renewals": last.renewals,
+            })
+        if self._behind is not None:
+            out["pull/versions_behind"] = self._behind
+        return out
 
     async def _pull(self, version: int | None) -> Pulled:
         started = self.clock.now()
@@ -162,8 +208,8 @@ class Puller:
             self.mirror_version = None  # overwritten from here on
             try:
                 lease, renewals = await self._read_all(lease, manifest, reads, mirror)
-            except (RegionNotRegisteredError, PeerGoneError):
-                self._forget(manifest)  # the memory behind those connections is gone: connect afresh next time
+            except (RegionNotRegisteredError, PeerGoneError, NoProgressError):
+                self._forget(manifest)  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
             if manifest.digests is not None and self.verify_digests:
                 await self._verify(manifest, mirror)
@@ -193,9 +239,15 @@ class Puller:
         self, lease: Lease, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], mirror: Region
     ) -> tuple[Lease, int]:
         """Make every read (concurrently, as the transport sees fit) while renewing the
-        lease; check it after."""
+        lease and watching that reads land; check the lease after."""
         renewals = 0
         lost: list[BaseException] = []
+        landed, last_landed, stalled = 0, self.clock.now(), False
+
+        def note(nbytes: int) -> None:
+            nonlocal landed, last_landed
+            landed += nbytes
+            last_landed = self.clock.now()
 
         async def renew_loop() -> None:
             nonlocal lease, renewals
@@ -212,22 +264,56 @@ class Puller:
                     log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
 
         async def read_all() -> None:
-            await self.transport.read_many([(remote, off, mirror, local_off, n) for remote, off, local_off, n in reads])
+            await self._read_many([(remote, off, mirror, local_off, n) for remote, off, local_off, n in reads], note)
             tg.cancel_scope.cancel()  # every byte landed: stop renewing
+
+        async def watchdog(timeout: float) -> None:
+            nonlocal stalled
+            while (left := last_landed + timeout - self.clock.now()) > 0:  # a deadline: no float creep
+                await self.clock.sleep(left)
+            stalled = True
+            tg.cancel_scope.cancel()
 
         try:
             async with anyio.create_task_group() as tg:
                 if reads:  # else nothing to wait for (every tensor is empty)
                     tg.start_soon(renew_loop)
                     tg.start_soon(read_all)
+                    if self.stall_timeout is not None:
+                        tg.start_soon(watchdog, self.stall_timeout)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
+        if stalled and not lost:
+            total = sum(read[3] for read in reads)
+            raise NoProgressError(
+                f"{self.holder}: no read of v{manifest.version} landed in {self.stall_timeout:g} s "
+                f"({landed} of {total} bytes read) from {manifest.publisher!r} over {manifest.transport}; "
+                "is its publisher alive, and serving its transport's progress "
+                "(`async with Publisher(...)`, or `publisher.serve()`)?"
+            )
         if lost or not await self.registry.is_valid(lease):
             raise TornReadError(
                 f"{self.holder}: the lease on v{manifest.version} lapsed during the read; "
                 "the copy may mix versions and was rejected"
             ) from (lost[0] if lost else None)
         return lease, renewals
+
+    async def _read_many(self, reads: list[tuple[Remote, int, Region, int, int]], landed: Callable[[int], None]) -> None:
+        """`transport.read_many(reads)`, calling `landed(nbytes)` as each read lands. A
+        driver with a `read_many` of its own (one that batches device copies) is left to
+        it, and its reads count as landed together."""
+        if type(self.transport).read_many is not Transport.read_many:
+            await self.transport.read_many(reads)
+            landed(sum(read[4] for read in reads))
+            return
+
+        async def read(remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
+            await self.transport.read(remote, remote_offset, local, local_offset, nbytes)
+            landed(nbytes)
+
+        async with anyio.create_task_group() as tg:
+            for r in reads:
+                tg.start_soon(read, *r)
 
     async def _verify(self, manifest: Manifest, mirror: Region) -> None:
         view = mirror.host_view()

@@ -3,7 +3,8 @@
 One NIXL agent per transport, made on first use (after any CUDA memory the caller made,
 so UCX sees a CUDA context), with no progress thread: it spins a whole core. A peer's
 first read needs the owner's agent to answer UCX's wire-up, and reads of GPU memory over
-UCX's tcp emulation need it throughout, so an owner runs `serve()`, which polls its agent.
+UCX's tcp emulation need it throughout, so an owner runs `serve()`, which polls its agent
+(a `Publisher` used as a context manager runs it itself).
 
 A descriptor is JSON: the agent's metadata for the one region and its `(addr, len, dev)`,
 never a pickled NIXL list (those are tied to the cu12 or cu13 build). Each transfer is
@@ -341,7 +342,8 @@ class NixlTransport(RegionTable, Transport):
                     state = agent.check_xfer_state(xfer.handle)
                     if not warned and time.monotonic() - started > _STALL_WARNING_S:
                         warned = True
-                        log.warning("%s: still in progress after %.0f s; is the owner running serve()?", what, _STALL_WARNING_S)
+                        log.warning("%s: still in progress after %.0f s; is the owner serving its progress "
+                                    "(`async with Publisher(...)`, or `publisher.serve()`)?", what, _STALL_WARNING_S)
         except PeerGoneError:
             self._gone.add(peer.agent)
             self._release(xfer)
