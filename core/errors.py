@@ -153,9 +153,10 @@ class DriverUnavailableError(WeightpullError, ImportError):
 
 
 class ApplyError(WeightpullError):
-    """Loading a pulled version into an engine's weights failed partway. The replica was
-    left paused and given back the last good version (`restored`), or, if even that
-    failed, it holds no defined weights (`restored` is None) and must not serve."""
+    """Loading a pulled version into an engine's weights failed. The replica was given
+    back the last good version (`restored`) and may serve it again, or, if even that
+    failed, it holds no defined weights (`restored` is None), stays paused and must not
+    serve. The cause (`__cause__`) names what did not load."""
 
     def __init__(self, message: str, *, version: int, restored: int | str | None) -> None:
         super().__init__(message)

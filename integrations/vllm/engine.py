@@ -54,6 +54,9 @@ class PullSpec:
     registry_options: Mapping[str, Any] = attrs.field(factory=dict)
     transport_options: Mapping[str, Any] = attrs.field(factory=dict)
     faults: Mapping[str, Any] | None = None  # `weightpull.drivers.faulty.Faults` fields
+    # After each apply, compare the tensors the kernels use with a first load of the same
+    # copy (docs/vllm.md#the-check-after-every-apply); the structural checks always run.
+    check_apply: bool = True
 
 
 class VllmEngine:
@@ -64,6 +67,7 @@ class VllmEngine:
         self.poll_interval = poll_interval
         self.apply_timeout = apply_timeout
         self.clock = clock or MonotonicClock()
+        self.last_apply: Mapping[str, Any] = {}  # the first worker's report of the last apply
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         return await self.llm.collective_rpc(method, args=args)
@@ -97,14 +101,16 @@ class VllmEngine:
             if len(failed) < len(results):  # the others loaded it: give them back the old one too
                 restored |= set(await self._rpc("weightpull_revert"))
             last_good = restored.pop() if len(restored) == 1 else None
+            self.last_apply = failed[0]
             raise ApplyError(
                 f"applying v{version} failed on {len(failed)} of {len(results)} workers "
                 f"({failed[0]['error']['type']}: {failed[0]['error']['message']}); "
-                + (f"the replica holds {last_good!r} again and stays paused" if last_good is not None
+                + (f"the replica holds {last_good!r} again" if last_good is not None
                    else "the last good version could not be restored: the replica stays paused and must not serve"),
                 version=version,
                 restored=last_good,
-            )
+            ) from _error(failed[0]["error"])
+        self.last_apply = results[0]
         await self._rpc("weightpull_commit", version)
         # Blocks cached under the old weights must not be reused; requests frozen by a
         # `keep` pause are recomputed on the new weights.

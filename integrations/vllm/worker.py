@@ -10,10 +10,11 @@ the engine runs in its own process, tensors would arrive as lists.
   two mirrors (see `mirrors.py`); pulls then run on a thread of their own.
 - `weightpull_prefetch(v)`: start pulling `v` into the spare mirror; returns at once.
 - `weightpull_status()`: how that pull stands.
-- `weightpull_apply(v)`: load the mirror through the worker's `reload_weights` (the
-  checkpoint-format path, which also repacks weights for the CPU backend's kernels). If
-  that fails partway, reload the last good version (its mirror, or the checkpoint the
-  engine started from) and report the failure: the model never keeps a mix.
+- `weightpull_apply(v)`: load the mirror through vLLM's layerwise checkpoint-format
+  reload, driven by `apply.py`, which refuses a load that leaves any weight behind and,
+  with `check_apply`, compares what the kernels use with a first load of the same copy.
+  If that fails, reload the last good version (its mirror, or the checkpoint the engine
+  started from) and report the failure: the model never keeps a mix.
 - `weightpull_commit(v)` once every worker applied `v`; else `weightpull_revert()` on all,
   so tensor-parallel workers never end on different versions.
 """
@@ -29,6 +30,7 @@ import torch
 from weightpull.errors import InvalidArgumentError
 from weightpull.puller import Pulled
 
+from . import apply
 from .mirrors import BackgroundPulls, checkpoint_weights, error_info
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class WeightpullWorker:
     # checkpoint the engine started from, or nothing (None) once pulls were restarted
     # after a version was applied (its mirror went with them).
     _weightpull_fallback: str | None = CHECKPOINT
+    _weightpull_ties: dict[str, list[str]] | None = None  # read from the model before any reload
+    _weightpull_check: bool = True
 
     def weightpull_start(self, spec: dict[str, Any]) -> dict[str, Any]:
         """`spec` is a `PullSpec` as a dict: the registry's address, the transport's
@@ -81,6 +85,11 @@ class WeightpullWorker:
                 self._weightpull_fallback = None
             self._weightpull.close()
         device = mirror_device(spec.get("mirror_device", "cpu"), getattr(self, "device", None))
+        if self._weightpull_ties is None:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            apply.refuse_unsupported(model)
+            self._weightpull_ties = apply.tied_parameters(model)
+        self._weightpull_check = bool(spec.get("check_apply", True))
         self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device)
         return self.weightpull_status()
 
@@ -100,12 +109,12 @@ class WeightpullWorker:
         except Exception as exc:  # nothing was touched: the model still serves its version
             return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_serving()}
         try:
-            self._weightpull_load(pulled)
+            report = self._weightpull_load(pulled)
         except Exception as exc:
-            log.error("applying v%s failed partway (%r); restoring the last good version", version, exc)
+            log.error("applying v%s failed (%s: %s); restoring the last good version", version, type(exc).__name__, exc)
             return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_restore()}
         self._weightpull_applied = pulled
-        return {"ok": True, "version": version, "seconds": time.perf_counter() - started}
+        return {"ok": True, "version": version, "seconds": time.perf_counter() - started, **report.as_dict()}
 
     def weightpull_commit(self, version: int) -> None:
         """Every worker applied `version`: it is now the last good one."""
@@ -135,22 +144,15 @@ class WeightpullWorker:
         current = self._weightpull_pulls().pair.current
         return self._weightpull_fallback if current is None else current.version
 
-    def _weightpull_load(self, pulled: Pulled | None) -> None:
-        """Checkpoint-format reload: from a mirror, or (None) from the model's own files."""
-        weights = None if pulled is None else checkpoint_weights(pulled)
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+    def _weightpull_load(self, pulled: Pulled | None) -> apply.ApplyReport:
+        """Checkpoint-format reload, checked: from a mirror, or (None) from the model's own files."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        weights = apply.checkpoint_iterator(runner) if pulled is None else checkpoint_weights(pulled)
+        return apply.load(runner, weights, ties=self._weightpull_ties or {}, check=self._weightpull_check)
 
     def _weightpull_restore(self) -> int | str | None:
-        """Undo a partial load: finish vLLM's layerwise reload (a failed one leaves layers
-        half loaded), then reload the last good version whole. None if that fails too.
-        (Finishing a reload that had completed does nothing.)"""
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-        runner = self.model_runner  # type: ignore[attr-defined]
-        try:
-            finalize_layerwise_reload(runner.get_model(), runner.model_config)
-        except Exception as exc:  # the full reload below still overwrites every weight
-            log.warning("finishing the failed reload raised %r", exc)
+        """Reload the last good version whole over a failed load (`apply.load` has
+        finished vLLM's reload, so nothing is left half wrapped). None if that fails too."""
         current = self._weightpull_pulls().pair.current
         if current is None and self._weightpull_fallback is None:
             log.error("no mirror holds the last good version (pulls restarted since): this replica must not serve")
