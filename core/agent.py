@@ -22,6 +22,7 @@ import attrs
 from .clock import Clock, MonotonicClock, within
 from .errors import (
     AgentFailedError,
+    ApplyError,
     InvalidArgumentError,
     PullError,
     RegistryError,
@@ -54,7 +55,8 @@ class EngineControl(Protocol):
 
     async def apply(self, version: int) -> None:
         """Load the mirrored `version` into the weights and reset the caches built on the
-        old ones. On failure, restore the last good version and raise `ApplyError`."""
+        old ones. On failure, restore the last good version and raise `ApplyError`
+        (`restored` None if even that failed)."""
 
     async def label(self, version: int) -> None:
         """Tag what the engine generates from now on with `version`."""
@@ -74,6 +76,9 @@ class AgentStats:
     prefetch_s: list[float] = attrs.Factory(list)
     pull_failures: int = 0  # prefetches that failed and were tried again
     torn_reads: int = 0  # of which torn: the lease lapsed mid-read, the copy was rejected
+    apply_failures: int = 0  # applies that failed and were rolled back to the last good version
+    last_apply_error: str | None = None
+    newest_seen: int | None = None  # the newest READY version the agent was handed
 
 
 class UpdateAgent:
@@ -86,6 +91,7 @@ class UpdateAgent:
         min_version_lag: int = 1,
         pause_mode: PauseMode | str = PauseMode.ABORT,
         max_pull_attempts: int = 5,
+        max_apply_failures: int = 3,
         retry_delay: float = 0.1,
         clock: Clock | None = None,
     ) -> None:
@@ -93,6 +99,8 @@ class UpdateAgent:
             raise InvalidArgumentError(f"min_version_lag must be an int >= 1, got {min_version_lag!r}")
         if max_pull_attempts < 1:
             raise InvalidArgumentError(f"max_pull_attempts must be >= 1, got {max_pull_attempts!r}")
+        if max_apply_failures < 1:
+            raise InvalidArgumentError(f"max_apply_failures must be >= 1, got {max_apply_failures!r}")
         try:
             self.pause_mode = PauseMode(pause_mode)
         except ValueError:
@@ -102,6 +110,7 @@ class UpdateAgent:
         self.engine = engine
         self.min_version_lag = min_version_lag
         self.max_pull_attempts = max_pull_attempts
+        self.max_apply_failures = max_apply_failures
         self.retry_delay = retry_delay
         self.clock = clock or MonotonicClock()
         self.serving: int | None = None
@@ -109,6 +118,8 @@ class UpdateAgent:
         self.stats = AgentStats()
         self._forced = -1  # wait_for_version asked for at least this version
         self._failed_pulls = 0  # in a row
+        self._failed_applies = 0  # in a row
+        self._failed_version = -1  # the newest version whose apply failed: never tried again
         # Made lazily (they need a running event loop). `_changed` is set, then replaced,
         # whenever the served version or the failure changes; `_poke` re-aims the watch.
         self._changed: anyio.Event | None = None
@@ -143,11 +154,12 @@ class UpdateAgent:
         """The version the replica waits for: `min_version_lag` past the one it serves,
         sooner if `wait_for_version` asked."""
         if self.serving is None:
-            return 0
-        target = self.serving + self.min_version_lag
-        if self._forced > self.serving:
-            target = min(target, self._forced)
-        return target
+            target = 0
+        else:
+            target = self.serving + self.min_version_lag
+            if self._forced > self.serving:
+                target = min(target, self._forced)
+        return max(target, self._failed_version + 1)
 
     async def _next_version(self) -> int:
         """The newest READY version once it reaches the target; re-aimed when poked."""
@@ -164,6 +176,7 @@ class UpdateAgent:
 
             async def newest() -> None:
                 found.append((await self.registry.wait_for_version(self._target())).version)
+                self.stats.newest_seen = max(found[-1], self.stats.newest_seen or found[-1])
                 tg.cancel_scope.cancel()
 
             async def poked() -> None:
@@ -195,11 +208,26 @@ class UpdateAgent:
         return True
 
     async def _update(self, version: int) -> None:
-        """The pause: nothing slow happens inside it. An apply that fails leaves the
-        engine paused (on its last good version) and fails the agent."""
+        """The pause: nothing slow happens inside it. An apply that fails but gave the
+        engine back its last good version resumes on it, and the agent waits for a newer
+        version; `max_apply_failures` in a row, or a failure that left the engine on no
+        defined weights (it stays paused), fail the agent."""
         started = self.clock.now()
         await self.engine.pause(self.pause_mode)
-        await self.engine.apply(version)
+        try:
+            await self.engine.apply(version)
+        except ApplyError as exc:
+            self.stats.apply_failures += 1
+            self.stats.last_apply_error = f"v{version}: {exc.__cause__ or exc}"
+            self._failed_applies += 1
+            self._failed_version = max(self._failed_version, version)
+            self._notify()
+            if exc.restored is None or self._failed_applies >= self.max_apply_failures:
+                raise
+            log.error("agent %s: %s; serving %s again, waiting for a newer version", self.name, exc, exc.restored)
+            await self.engine.resume()
+            return
+        self._failed_applies = 0
         await self.engine.label(version)
         await self.engine.resume()
         self.stats.pause_s.append(self.clock.now() - started)
@@ -208,6 +236,29 @@ class UpdateAgent:
         self._notify()
         log.info("agent %s: serving v%s (paused %.0f ms)", self.name, version, self.stats.pause_s[-1] * 1e3)
         await self.registry.report_serving(self.name, version)
+
+    # -- what a trainer's logger takes -----------------------------------------------------
+
+    def metrics(self) -> dict[str, float | int]:
+        """The agent's figures as a flat dict, for a trainer's logger (one call per step).
+        Seconds are the last update's; counts are totals since the agent started."""
+        stats = self.stats
+        behind = (stats.newest_seen - self.serving) if stats.newest_seen is not None and self.serving is not None else None
+        out: dict[str, float | int] = {
+            "agent/updates": len(stats.applied),
+            "agent/pull_failures": stats.pull_failures,
+            "agent/torn_reads": stats.torn_reads,
+            "agent/apply_failures": stats.apply_failures,
+        }
+        if self.serving is not None:
+            out["agent/serving_version"] = self.serving
+        if behind is not None:
+            out["agent/versions_behind"] = behind
+        if stats.pause_s:
+            out["agent/pause_s"] = stats.pause_s[-1]
+        if stats.prefetch_s:
+            out["agent/prefetch_s"] = stats.prefetch_s[-1]
+        return out
 
     # -- waiting on the agent --------------------------------------------------------------
 

@@ -19,6 +19,8 @@ class FakeEngine:
         self.weights: dict[str, bytes] = {}
         self.paused = False
         self.fail_apply: set[int] = set()
+        self.restores = False  # a failed apply gives back the last good version
+        self.serving: int | None = None
 
     async def prefetch(self, version):
         self.events.append(("prefetch", version))
@@ -33,8 +35,9 @@ class FakeEngine:
         assert self.paused and self.pulled.version == version
         self.events.append(("apply", version))
         if version in self.fail_apply:
-            raise ApplyError(f"v{version} broke", version=version, restored=None)
+            raise ApplyError(f"v{version} broke", version=version, restored=self.serving if self.restores else None)
         self.weights = {p.spec.name: bytes(self.pulled.view(p.spec.name)) for p in self.pulled.layout.placements}
+        self.serving = version
 
     async def label(self, version):
         self.events.append(("label", version))
@@ -131,7 +134,47 @@ async def test_a_failed_apply_leaves_the_replica_paused_and_fails_the_agent_and_
         await agent.wait_changed()
 
 
-@pytest.mark.parametrize("kw", [{"min_version_lag": 0}, {"pause_mode": "later"}, {"max_pull_attempts": 0}])
+async def test_a_failed_apply_that_restored_the_last_good_version_serves_it_again_and_takes_the_next(world):
+    publisher, engine = world.publisher(num_slots=3), FakeEngine(world)
+    engine.fail_apply, engine.restores = {2}, True
+    agent = UpdateAgent("r0", world.registry, engine, clock=world.clock)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(agent.run)
+        await publisher.publish(1, host_tensors(1))
+        assert await agent.wait_for_version(1) == 1
+        await publisher.publish(2, host_tensors(2))
+        while agent.stats.apply_failures == 0:
+            await agent.wait_changed()
+        assert not engine.paused and agent.serving == 1  # resumed on v1, still reported as v1
+        assert engine.weights == {n: t.data for n, t in host_tensors(1).items()}
+        assert (await world.registry.status()).serving == {"r0": 1}
+        with pytest.raises(VersionWaitTimeoutError):  # v2 is not tried again
+            await agent.wait_for_version(2, timeout=5)
+        await publisher.publish(3, host_tensors(3))
+        assert await agent.wait_for_version(2, timeout=5) == 3
+        tg.cancel_scope.cancel()
+    assert engine.events.count(("apply", 2)) == 1 and agent.stats.applied == [1, 3]
+    assert "v2: v2 broke" in agent.stats.last_apply_error
+    metrics = agent.metrics()
+    assert metrics["agent/apply_failures"] == 1 and metrics["agent/serving_version"] == 3
+    assert metrics["agent/versions_behind"] == 0 and metrics["agent/updates"] == 2
+
+
+async def test_repeated_apply_failures_fail_the_agent(world):
+    publisher, engine = world.publisher(num_slots=3), FakeEngine(world)
+    engine.fail_apply, engine.restores = {2, 3}, True
+    agent = UpdateAgent("r0", world.registry, engine, max_apply_failures=2, clock=world.clock)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(publish_each, world, publisher, [1, 2, 3])
+        with pytest.raises(ApplyError):
+            await agent.run()
+        tg.cancel_scope.cancel()
+    assert agent.stats.apply_failures == 2 and agent.serving == 1 and isinstance(agent.failure, ApplyError)
+    assert agent.failure.version == 3 and engine.paused  # the second failure is not resumed
+
+
+@pytest.mark.parametrize("kw", [{"min_version_lag": 0}, {"pause_mode": "later"}, {"max_pull_attempts": 0},
+                                {"max_apply_failures": 0}])
 def test_bad_settings_are_refused(world, kw):
     with pytest.raises(InvalidArgumentError):
         UpdateAgent("r0", world.registry, FakeEngine(world), **kw)
