@@ -8,6 +8,9 @@ touches nothing. Leases are judged on this process's clock.
 
 State is not persisted: each start draws a new run epoch, every reply names it, and
 clients replay into a new run what they stand by (see client.py).
+
+With `metrics_port`, it also serves the registry's status to Prometheus over HTTP
+(metrics.py), read at scrape time.
 """
 
 from __future__ import annotations
@@ -63,7 +66,14 @@ class RegistryServer:
         replay_window: float = wire.REPLAY_WINDOW,
         reply_cache: int = 4096,
         max_wait: float = MAX_WAIT,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
+        """`metrics_port` (0 picks a free one) serves Prometheus metrics on
+        `http://metrics_host:port/metrics` while `serve` runs; they are read-only and
+        unauthenticated, so the host defaults to loopback."""
+        if metrics_port is not None and (not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535):
+            raise InvalidArgumentError(f"metrics_port must be a TCP port (0-65535), got {metrics_port!r}")
         if not secret and not is_loopback(bind):
             raise InvalidArgumentError(
                 f"refusing to serve on {bind} without a secret: set ${wire.SECRET_ENV} or pass "
@@ -78,11 +88,28 @@ class RegistryServer:
         self.window = wire.ReplayWindow(replay_window)
         self.replies = wire.ReplyCache(reply_cache)
         self.endpoint: str | None = None
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_url: str | None = None  # set while serving metrics
         self.served = 0
         self.refused = 0
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the endpoint through `task_status`, and answer until cancelled."""
+        if self.metrics_port is None:
+            await self._serve(task_status)
+            return
+        from .metrics import MetricsEndpoint  # prometheus-client, only when asked for
+
+        metrics = MetricsEndpoint(self, self.metrics_host, self.metrics_port)
+        self.metrics_url = metrics.url
+        try:
+            await self._serve(task_status)
+        finally:
+            self.metrics_url = None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(metrics.close)
+
+    async def _serve(self, task_status: anyio.abc.TaskStatus[str]) -> None:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
