@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import json
+import os
 import uuid
 import weakref
 from typing import Any
@@ -109,7 +110,8 @@ class FakeTransport(Transport):
         if region.handle not in self._mine:
             raise RegionNotRegisteredError("cannot export a region this transport did not register")
         return json.dumps(
-            {"fabric": self.fabric.id, "owner": self.id, "region": region.handle, "nbytes": region.nbytes}
+            {"fabric": self.fabric.id, "owner": self.id, "region": region.handle, "nbytes": region.nbytes,
+             "pid": os.getpid()}
         ).encode()
 
     def connect(self, descriptor: bytes) -> Remote:
@@ -120,7 +122,15 @@ class FakeTransport(Transport):
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgumentError(f"not a fake-transport descriptor: {descriptor[:80]!r}") from exc
         if fabric is None:
-            raise PeerGoneError("that descriptor's fabric is gone (its process exited)")
+            pid = d.get("pid")
+            if pid is not None and pid != os.getpid():  # the usual slip: a fake used across processes
+                raise PeerGoneError(
+                    f"that descriptor was exported by process {pid}, and the fake transport works within one "
+                    "process only: across processes use nixl, or cuda_ipc on one host (`weightpull drivers` "
+                    "lists those that load here)"
+                )
+            raise PeerGoneError("that descriptor's fabric is gone: every fake transport that shared it has been "
+                                "collected (the fake transport works within one process only)")
         return remote
 
     # -- reading -------------------------------------------------------------------------
