@@ -9,8 +9,8 @@ server process and publishes a one-byte version into it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -26,9 +26,6 @@ from weightpull.manifest import Manifest
 
 from .client import ZmqRegistry
 from .wire import SECRET_ENV
-
-READY_LINE = re.compile(r"listening on (\S+)")
-
 
 @attrs.frozen
 class BenchResult:
@@ -99,15 +96,16 @@ def own_server() -> Iterator[tuple[str, bytes]]:
     secret: (address, secret)."""
     secret = secrets.token_hex(16).encode()
     env = {**os.environ, SECRET_ENV: secret.decode()}
-    cmd = [sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0", "--json"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = READY_LINE.search(line)
-        if match is None:
-            raise RegistryError(f"the bench's registry server did not start (exit {proc.poll()}): {line!r}")
-        yield match.group(1), secret
+        line = proc.stdout.readline()  # its ready line, or its error, as JSON
+        try:
+            address = json.loads(line)["listening"]
+        except (ValueError, KeyError, TypeError):
+            raise RegistryError(f"the bench's registry server did not start (exit {proc.poll()}): {line!r}") from None
+        yield address, secret
     finally:
         proc.terminate()
         proc.wait(10)
