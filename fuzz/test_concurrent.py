@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from weightpull import NoReadyVersionError, Publisher, VersionWaitTimeoutError, WhenFull
 
-from .harness import FAULTS, LAYOUTS, TTL, Hang, World, autojump
+from .harness import EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump
 from .profiles import PROFILE
 
 LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
@@ -179,10 +179,10 @@ async def waiter(world: World, program: tuple[Wait, ...]) -> None:
             manifest = await world.registry.wait_for_version(want, timeout=step.timeout)
         except VersionWaitTimeoutError:
             assert world.model.newest is None or world.model.newest < want
-            assert world.clock.now() - started == pytest.approx(step.timeout)
+            assert abs(world.clock.now() - started - step.timeout) <= EPS
         else:
             assert manifest.version == world.model.newest and manifest.version >= want
-            assert world.clock.now() - started <= step.timeout
+            assert world.clock.now() - started <= step.timeout + EPS
 
 
 async def play(scenario: Scenario) -> None:
@@ -218,10 +218,71 @@ def _first(exc: BaseException) -> BaseException:
     return exc
 
 
-@PROFILE
-@given(scenarios)
-def test_concurrent_actors(scenario: Scenario) -> None:
+def run(scenario: Scenario) -> None:
     try:
         anyio.run(play, scenario, backend="asyncio")
     except BaseExceptionGroup as group:  # show the failure itself, not its task groups
         raise _first(group) from None
+
+
+@PROFILE
+@given(scenarios)
+def test_concurrent_actors(scenario: Scenario) -> None:
+    run(scenario)
+
+
+# Schedules the long profile failed on, replayed as they were drawn (a reproduce blob
+# replays only on the Hypothesis version that printed it).
+W = WhenFull.WAIT
+REPLAYS = {
+    # Issue 20: "publish blocked 6.000000000000007 s, over its 4.0 s bound and the copy".
+    # The last publish waits for a slot to its full 4 s bound, then copies 2 s in thirds;
+    # the float sums land a few ulps over 6 s. (Decoded from the issue's blob on 6.170.17.)
+    "issue-20": Scenario(
+        num_slots=2,
+        trainers=(
+            (
+                2.0,
+                (
+                    Publish(2.0, "base", W, withdraw=True),
+                    Publish(6.0, "base", W, withdraw=True),
+                    Publish(8.0, "base", W, withdraw=True),
+                    Publish(8.5, "base", W, crash=True, withdraw=True),
+                    Publish(12.0, "base", W, withdraw=True),
+                    Publish(1.5, "base", W),
+                    Publish(7.5, "base", W),
+                    Publish(1.0, "base", W, withdraw=True),
+                ),
+            ),
+        ),
+        readers=(
+            (
+                None,
+                (
+                    Pull(0.0, None),
+                    Pull(0.0, None, freeze=(11.0, 20.0), overlap=0.0),
+                    Pull(0.0, None, freeze=(6.0, 2.0)),
+                    Pull(12.0, "slow", die_after=6.5),
+                ),
+            ),
+        ),
+        hoarder=(),
+        waiter=(),
+    ),
+    # The same rounding in the fewest steps found: v3 is READY at 10.999999999999998; the
+    # hoarder's lease on v2 lapses at 14.5, just after the publisher's poll at
+    # 14.499999999999998, so v4 gets a slot on its last poll, 4 s in, and it blocks
+    # 6.000000000000002 s in all.
+    "wait-to-the-bound": Scenario(
+        num_slots=2,
+        trainers=((2.0, (Publish(1.0, "base", W), Publish(2.5, "base", W), Publish(1.5, "base", W), Publish(0.0, "base", W))),),
+        readers=((None, (Pull(0.0, None),)),),
+        hoarder=(Hold(8.5, 7.5, release=True),),
+        waiter=(),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYS))
+def test_replay(name: str) -> None:
+    run(REPLAYS[name])
