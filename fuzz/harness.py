@@ -27,6 +27,7 @@ from weightpull import (
     InProcessRegistry,
     Lease,
     NoFreeSlotError,
+    NoProgressError,
     NoReadyVersionError,
     PublishError,
     PublishResult,
@@ -49,6 +50,7 @@ from weightpull.drivers.faulty import Faults, FaultyTransport
 from weightpull.tensors import HostTensorAdapter
 
 TTL = 6.0  # every reader's lease TTL; renewed every TTL / 3 while a read runs
+STALL = 30.0  # a pull in which no read lands this long ends with NoProgressError
 WAIT_TIMEOUT = 4.0  # the publisher's bound on waiting for a free slot (policy WAIT)
 POLL = 0.5
 # Fake time is a sum of floats: a wait begun at 10.999999999999998, or a 2 s copy taken in
@@ -183,6 +185,7 @@ class Loop:
 @attrs.define
 class LeaseRecord:
     lease: Lease  # as last granted or renewed
+    granted_at: float
     released_at: float | None = None
 
     def live(self, now: float) -> bool:
@@ -228,7 +231,7 @@ class Model:
         if asked is None:
             assert lease.version == self.newest, f"leased v{lease.version}, but the newest READY is v{self.newest}"
         assert self.states.get(lease.version) is VersionState.READY, f"leased v{lease.version}, which is not READY"
-        record = self.leases[lease.id] = LeaseRecord(lease)
+        record = self.leases[lease.id] = LeaseRecord(lease, self.clock.now())
         return record
 
     def renewed(self, lease: Lease) -> None:
@@ -419,6 +422,7 @@ class SteppedTransport(FaultyTransport):
         super().__init__(inner, clock=clock)
         self.credits = math.inf
         self._moved: anyio.Event | None = None
+        self.landings: list[float] = []  # when each read landed
 
     def allow(self, reads: float) -> None:
         self.credits = reads
@@ -432,6 +436,7 @@ class SteppedTransport(FaultyTransport):
             await self._moved.wait()
         self.credits -= 1
         await super().read(*args)
+        self.landings.append(self.clock.now())
 
 
 @attrs.define
@@ -442,6 +447,7 @@ class Pull:
     outcome: Pulled | Exception | None = None  # None: cancelled (its process died)
     granted: list[LeaseRecord] = attrs.Factory(list)
     tensors: dict[str, bytes] | None = None
+    ended: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -476,6 +482,7 @@ class Reader:
             else:  # the copy is the caller's only until its next pull starts
                 run.outcome = pulled
                 run.tensors = {p.spec.name: bytes(pulled.view(p.spec.name)) for p in pulled.layout.placements}
+        run.ended = self.clock.now()
         return run
 
 
@@ -524,7 +531,7 @@ class World:
         clock = ProcessClock(self.clock)
         transport = SteppedTransport(self.transport(clock), clock)
         link = ReaderLink(self.registry, self.model)
-        puller = Puller(link, transport, holder=name, ttl=TTL, verify_digests=False, clock=clock)
+        puller = Puller(link, transport, holder=name, ttl=TTL, verify_digests=False, stall_timeout=STALL, clock=clock)
         return Reader(name, clock, transport, link, puller)
 
     # -- publishing ------------------------------------------------------------------------
@@ -604,19 +611,29 @@ class World:
         failed = reader.fault == "fail" and f.fail_reads == 0
         torn = reader.fault == "tear" and f.tear_reads == 0
         lapsed = record.lapsed(now)
+        stalled = reader.clock.froze or self.clock.stalls != reader.stalls
+        # The longest its pull went with no read landing, from the lease on (as the puller counts).
+        times = [record.granted_at, *(t for t in reader.transport.landings if record.granted_at <= t <= run.ended), run.ended]
+        idle = max(b - a for a, b in zip(times, times[1:]))
         if isinstance(outcome, Pulled):
             note("pull: whole")
             assert not (lapsed or failed or torn), f"{reader.name}: handed on a pull that was lapsed={lapsed} failed={failed} torn={torn}"
+            # A frozen process, or time jumping, lets its reads land before its watchdog runs.
+            assert stalled or idle <= STALL + EPS, f"{reader.name}: no read landed for {idle} s, yet the pull went on"
             assert outcome.version == record.lease.version
             assert run.tensors == self.model.contents[outcome.version], f"{reader.name}: the copy of v{outcome.version} is not its bytes"
             assert outcome.version >= reader.applied, f"{reader.name}: went back from v{reader.applied} to v{outcome.version}"
             reader.applied = outcome.version
         elif lapsed:  # the slot may have been rewritten or re-registered under the read
-            stalled = reader.clock.froze or self.clock.stalls != reader.stalls
             assert stalled, f"{reader.name}: its lease lapsed though it never stalled: renewal failed"
             rewritten = not self.model.holds(record.lease.version)
             note(f"pull: lapsed{', slot rewritten' if rewritten else ''} -> {type(outcome).__name__}")
-            assert isinstance(outcome, (TornReadError, TransportError)), f"{reader.name}: lapsed lease gave {outcome!r}"
+            # If its watchdog ran before its renewal did, the stall is what it reports.
+            no_progress = isinstance(outcome, NoProgressError) and idle >= STALL - EPS
+            assert no_progress or isinstance(outcome, (TornReadError, TransportError)), f"{reader.name}: lapsed lease gave {outcome!r}"
+        elif isinstance(outcome, NoProgressError):
+            note("pull: no progress")
+            assert idle >= STALL - EPS, f"{reader.name}: {outcome!r}, though reads landed at most {idle} s apart"
         elif failed:
             note("pull: failed read")
             assert isinstance(outcome, TransportError) and "injected" in str(outcome), f"{reader.name}: {outcome!r}"

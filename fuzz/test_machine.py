@@ -205,3 +205,31 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 TestProtocol = ProtocolMachine.TestCase
 TestProtocol.settings = PROFILE
+
+
+# Programs the machine failed on, written out (a state machine takes no @example).
+
+
+def replay(steps) -> None:
+    """Run `steps` (each a call on the machine) as Hypothesis would: the invariant after
+    each, then the teardown."""
+    machine = ProtocolMachine()
+    try:
+        for step in steps:
+            step(machine)
+            machine.registry_agrees_with_the_model()
+    finally:
+        machine.teardown()
+
+
+def test_replay_reads_held_past_the_stall_timeout() -> None:
+    """A read held back for 30 s must end the pull with NoProgressError (the puller's
+    stall_timeout), which the model first took for an unexplained failure."""
+    replay([
+        lambda m: m.start(num_slots=2, readers=2),
+        lambda m: m.begin_read(fault=None, pick=0, reads=0),
+        lambda m: m.withdraw_newest(),
+        lambda m: m.time_passes(dt=6.5),
+        lambda m: m.time_passes(dt=12.0),
+        lambda m: m.time_passes(dt=11.5),
+    ])
