@@ -214,7 +214,8 @@ def _registry_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise _needs("service", "serving the registry", exc) from None
     secret = load_secret(args.secret_file)
-    server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret)
+    server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret, metrics_port=args.metrics_port,
+                            metrics_host=args.metrics_host)
     listening = False
 
     def ready(endpoint: str) -> None:
@@ -223,10 +224,12 @@ def _registry_serve(args: argparse.Namespace) -> int:
         if secret is None:
             print(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
                   "local process can publish, lease and read state", file=sys.stderr)
+        metrics = {"metrics": server.metrics_url} if server.metrics_url else {}
         if args.json:  # the ready line for programs: one JSON object
-            print(json.dumps({"listening": endpoint, "run": server.epoch, "pid": os.getpid()}), flush=True)
+            print(json.dumps({"listening": endpoint, "run": server.epoch, "pid": os.getpid(), **metrics}), flush=True)
         else:
-            print(f"weightpull registry listening on {endpoint} (run {server.epoch})", flush=True)
+            also = f"; metrics on {server.metrics_url}" if metrics else ""
+            print(f"weightpull registry listening on {endpoint} (run {server.epoch}){also}", flush=True)
 
     try:
         anyio.run(run_server, server, ready)
@@ -234,9 +237,10 @@ def _registry_serve(args: argparse.Namespace) -> int:
         cause = _cause(exc)
         if listening or not isinstance(cause, RegistryError):
             raise
-        # Before it listened, the one thing that can fail is the bind.
+        # Before it listened, the one thing that can fail is a bind: the registry's, or the metrics'.
+        flag = "--metrics-port (0 picks a free port)" if "metrics" in str(cause) else "--bind (tcp://HOST:0 picks a free port)"
         raise RegistryError(f"{cause}: stop what listens there, or pick a free port or an address of this "
-                            "host with --bind (tcp://HOST:0 picks a free port)") from None
+                            f"host with {flag}") from None
     return 0
 
 
@@ -443,6 +447,10 @@ def parser() -> argparse.ArgumentParser:
                        "(default: tcp://127.0.0.1:5555, where status looks by default; port 0 picks a free one)")
     serve.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
     serve.add_argument("--json", action="store_true", help="print the ready line (and any error) as one JSON object")
+    serve.add_argument("--metrics-port", type=_count(0), metavar="PORT", help="also serve Prometheus metrics on "
+                       "http://METRICS_HOST:PORT/metrics (0 picks a free port; needs prometheus-client, in the "
+                       "service extra)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics listen on (default: 127.0.0.1)")
     serve.set_defaults(func=_registry_serve)
 
     bench = rsub.add_parser("bench", help="lease acquire/release round trips per second and p99 latency",
