@@ -169,3 +169,26 @@ async def test_a_busy_metrics_port_is_a_registry_error():
         with pytest.raises(RegistryError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             await second.serve()
         tg.cancel_scope.cancel()
+
+
+def test_registry_serve_metrics_port_prints_where_to_scrape():
+    pytest.importorskip("prometheus_client")
+    pytest.importorskip("zmq")
+    import json
+    import subprocess
+    import sys
+
+    from .served import env
+
+    proc = subprocess.Popen([sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0",
+                             "--metrics-port", "0", "--json"], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["metrics"].startswith("http://127.0.0.1:")
+        m = scrape(ready["metrics"])
+        assert m["weightpull_registry_versions", (("state", "READY"),)] == 0
+        assert m["weightpull_registry_live_leases", ()] == 0
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
