@@ -162,7 +162,7 @@ class Puller:
             before = self._last.version if self._last else None
             try:
                 pulled = await self._pull(version)
-            except WeightpullError as exc:
+            except Exception as exc:
                 self._counts["failed"] += 1
                 self._counts["torn_reads"] += isinstance(exc, TornReadError)
                 self._counts["stalls"] += isinstance(exc, NoProgressError)
