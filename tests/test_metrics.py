@@ -8,7 +8,7 @@ import urllib.request
 import anyio
 import pytest
 
-from weightpull import InProcessRegistry, NoFreeSlotError, Publisher, Puller, TornReadError
+from weightpull import InvalidArgumentError, NoFreeSlotError, Publisher, RegistryError, TornReadError, WhenFull
 from weightpull.drivers.fake import FakeFabric, FakeFaults, FakeTransport
 
 from .conftest import autojump, host_tensors
@@ -39,7 +39,7 @@ async def test_publisher_metrics_name_the_last_publish_and_count_outcomes(world)
     m = pub.metrics()
     assert m["publish/version"] == 3 and "publish/bytes" not in m and m["publish/skipped"] == 1
 
-    pub.when_full = type(pub.when_full)("fail")
+    pub.when_full = WhenFull.FAIL
     with pytest.raises(NoFreeSlotError):
         await pub.publish(4, host_tensors(4))
     assert pub.metrics()["publish/failed"] == 1 and pub.metrics()["publish/version"] == 3
@@ -147,7 +147,6 @@ async def test_the_served_registry_offers_its_status_to_prometheus():
 
 def test_a_bad_metrics_port_is_refused():
     pytest.importorskip("zmq")
-    from weightpull import InvalidArgumentError
     from weightpull.drivers.zmq_registry.server import RegistryServer
 
     for bad in (-1, 70000, "9100"):
@@ -158,7 +157,6 @@ def test_a_bad_metrics_port_is_refused():
 async def test_a_busy_metrics_port_is_a_registry_error():
     pytest.importorskip("prometheus_client")
     pytest.importorskip("zmq")
-    from weightpull import RegistryError
     from weightpull.drivers.zmq_registry.server import RegistryServer
 
     first = RegistryServer("tcp://127.0.0.1:0", metrics_port=0)
