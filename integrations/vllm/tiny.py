@@ -44,3 +44,66 @@ def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+# -- tiny models of several families, for checking what a replica serves after an update --
+
+_COMMON = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=64,  # vLLM's CPU attention accepts 64 and 128
+    vocab_size=1024, max_position_embeddings=512, initializer_range=0.2,  # large: versions differ in output
+    tie_word_embeddings=False,
+)
+# family -> (transformers model_type, its settings beyond _COMMON). One feature each:
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases; untied, as Qwen2-7B (the tie is llama-tied's case)
+    "qwen3": ("qwen3", {}),  # q/k norms
+    "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+}
+NAMES = ("checkpoint", "state_dict")
+
+
+def make_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random float32 model of `family` (see FAMILIES), seeded; `overrides` go to its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def base_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The weights versions are made from (a copy: versions overwrite the model's own)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def checkpoint_names(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (named as `model.state_dict()`) named as `save_pretrained` writes it: tied
+    copies dropped, and transformers 5's fused layouts reverted (MoE experts per expert)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    return revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
+
+
+def version_weights(model: Any, base: dict[str, torch.Tensor], version: int, names: str = "checkpoint",
+                    scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Load `version` into `model` (as `set_version`) and return its weights, named as
+    "state_dict" (`model.state_dict()`: tied models include `lm_head.weight`, MoE experts
+    fused 3-D) or "checkpoint" (what `save_pretrained` writes, which vLLM loads)."""
+    if names not in NAMES:
+        raise ValueError(f"names must be one of {NAMES}, not {names!r}")
+    state = set_version(model, base, version, scale)
+    return state if names == "state_dict" else checkpoint_names(model, state)
+
+
+def save(model: Any, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the model's current weights, cast to `dtype`, as a checkpoint vLLM loads."""
+    import copy
+
+    copy.deepcopy(model).to(dtype).save_pretrained(path)
+    return Path(path)
