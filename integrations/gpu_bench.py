@@ -13,7 +13,11 @@ The model is Qwen3-8B's 399 tensor shapes in bf16 (16.4 GB), random values. Two 
    bucket from the pinned shadow to the GPU, as the pull issues them). The limit is one
    pinned host-to-device copy of as many bytes.
 
-Every pulled copy is checked against checksums the publisher made of its own tensors.
+3. the apply check: what `PullSpec(check_apply=True)` adds to a vLLM replica's pause (a
+   copy of the loaded tensors and two fingerprints), beside the apply's own device copies.
+
+Every pulled copy is checked against fingerprints the publisher made of its own tensors
+(exact on any device: `weightpull.integrations.torch_tensors.fingerprints`).
 GB/s are 10^9 bytes/s, medians over the rounds. Needs a CUDA device and torch.
 """
 
@@ -36,6 +40,7 @@ from weightpull import InProcessRegistry, Manifest, Publisher, Puller, create_tr
 from weightpull.bench import parse_size
 from weightpull.integrations.bench.presets import PRESETS
 from weightpull.integrations.torch_tensors import as_tensors
+from weightpull.integrations.torch_tensors import fingerprints as checksums  # exact on any device
 from weightpull.layout import Layout
 
 
@@ -47,21 +52,6 @@ def qwen3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
 def make_tensors(shapes: list[tuple[str, tuple[int, ...]]], device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(seed)
     return {name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) for name, shape in shapes}
-
-
-def checksum(t: torch.Tensor, chunk: int = 1 << 26) -> int:
-    """Position-sensitive and exact: each 16-bit word times (its index mod 65521, plus 1)."""
-    flat = t.reshape(-1).view(torch.int16)
-    total = 0
-    for start in range(0, flat.numel(), chunk):
-        x = flat[start : start + chunk].to(torch.int64)
-        index = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64) % 65521 + 1
-        total += int((x * index).sum().item())
-    return total
-
-
-def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {name: checksum(t) for name, t in tensors.items()}
 
 
 def mirror_checksums(layout: Layout, region: Any) -> dict[str, int]:
@@ -245,6 +235,47 @@ async def bench_host_to_gpu(bucket_bytes: int, repeat: int, say: Callable[[str],
     return result
 
 
+def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """What the vLLM worker's check after an apply (`PullSpec(check_apply=True)`) adds to
+    the pause, at Qwen3-8B's shapes on the GPU, beside the apply itself (one device copy
+    per tensor, from a GPU mirror): a copy of each layer's loaded tensors for the
+    first-load reference, and a fingerprint of each side. (vLLM's own processing of an
+    unquantized GPU layer copies nothing more; what it costs on a real engine is not
+    measured here: vLLM cannot run on this machine.)"""
+    shapes = qwen3_8b_shapes()
+    mirror = make_tensors(shapes, "cuda:0", seed=1)
+    weights = {name: torch.empty_like(t) for name, t in mirror.items()}
+
+    def timed(fn: Callable[[], Any]) -> list[float]:
+        out = []
+        for _ in range(repeat + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - started)
+        return out[1:]  # the first warms up
+
+    apply_s = timed(lambda: [weights[n].copy_(t) for n, t in mirror.items()])
+    clone_s = timed(lambda: [t.clone() for t in weights.values()])
+    fingerprint_s = timed(lambda: checksums(weights))
+    exact = checksums(weights) == checksums(mirror)
+    weights[shapes[-1][0]].view(-1)[0] += 1  # one changed weight must show
+    caught = checksums(weights) != checksums(mirror)
+    nbytes = sum(t.numel() * t.element_size() for t in mirror.values())
+    apply, check = statistics.median(apply_s), statistics.median(clone_s) + 2 * statistics.median(fingerprint_s)
+    result = {"bytes": nbytes, "apply_ms": round(apply * 1e3, 2), "clone_ms": round(statistics.median(clone_s) * 1e3, 2),
+              "fingerprint_ms": round(statistics.median(fingerprint_s) * 1e3, 2),
+              "fingerprint_gbps": round(nbytes / statistics.median(fingerprint_s) / 1e9, 1),
+              "check_ms": round(check * 1e3, 2), "check_over_apply": round(check / apply, 2),
+              "exact": exact and caught}
+    say(f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms "
+        f"(a clone {result['clone_ms']} ms + 2 fingerprints of {result['fingerprint_ms']} ms, "
+        f"{result['fingerprint_gbps']} GB/s): {result['check_over_apply']}x the apply; "
+        f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}")
+    return result
+
+
 async def run(repeat: int, bucket_sizes: list[int], say: Callable[[str], None]) -> dict[str, Any]:
     shapes = qwen3_8b_shapes()
     say(f"{len(shapes)} tensors, {sum(2 * _numel(s) for _, s in shapes) / 1e9:.2f} GB in bf16 "
@@ -254,6 +285,7 @@ async def run(repeat: int, bucket_sizes: list[int], say: Callable[[str], None]) 
         "tensors": len(shapes),
         "cuda_ipc": await bench_cuda_ipc(bucket_sizes, repeat, say),
         "host_to_gpu": await bench_host_to_gpu(bucket_sizes[0], repeat, say),
+        "apply_check": bench_apply_check(repeat, say),
     }
 
 
@@ -274,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     result = anyio.run(run, args.repeat, sizes, lambda line: print(f"[gpu-bench] {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(result))
-    ok = all(r["exact"] for r in result["cuda_ipc"]) and result["host_to_gpu"]["exact"]
+    ok = all(r["exact"] for r in result["cuda_ipc"]) and result["host_to_gpu"]["exact"] and result["apply_check"]["exact"]
     return 0 if ok else 1
 
 

@@ -3,7 +3,8 @@ of a mirror as tensors. The only module of the core's path that imports torch.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
@@ -73,3 +74,35 @@ class TorchAdapter:
         pending, self._pending = self._pending, []
         for event in pending:
             await anyio.to_thread.run_sync(event.synchronize)
+
+
+# -- fingerprints: is this the same bytes, wherever it lives --------------------------------
+
+_PERIOD = 65521  # a prime: a shift by whole rows of a power-of-two width changes the sum
+_CHUNK = _PERIOD * 256  # words at once (~16.8 M): bounds the int64 scratch to ~270 MiB
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Per tensor, the sum of its words each times (its index mod 65521, plus 1), modulo
+    2**64: computed on the device the tensor lives on, and exact, so equal bytes give
+    equal fingerprints on any device; a changed word, or words moved to other places,
+    give another. The sums come to the host in one transfer."""
+    sums = [_fingerprint(t) for t in tensors.values()]
+    values = torch.stack(sums).tolist() if sums else []
+    return dict(zip(tensors, values, strict=True))
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    weights = _weights(t.device)
+    for start in range(0, words.numel(), _CHUNK):  # a chunk starts at a multiple of the period
+        chunk = words[start : start + _CHUNK]
+        total += (chunk.to(torch.int64) * weights[: chunk.numel()]).sum()  # wraps modulo 2**64
+    return total
+
+
+@functools.cache
+def _weights(device: torch.device) -> torch.Tensor:
+    return torch.arange(_CHUNK, device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)

@@ -36,8 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightpull.errors import ApplyCheckError, IncompleteApplyError, UnsupportedModelError
 
-_CHUNK = 1 << 24  # words fingerprinted at once: bounds the float64 scratch to 128 MiB
-
+from ..torch_tensors import fingerprints
 
 @attrs.frozen
 class ApplyReport:
@@ -337,20 +336,6 @@ def _clone_param(p: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprints(layer: torch.nn.Module) -> dict[str, tuple]:
-    """Shape, dtype and a position-weighted sum of the bytes of each of the layer's own
-    tensors, computed on their device and fetched in one transfer."""
+    """Shape, dtype and fingerprint of the layer's own tensors (its submodules' are theirs)."""
     tensors = {k: t for k, t in (*layer._parameters.items(), *layer._buffers.items()) if t is not None}
-    sums = [_weighted_sum(t) for t in tensors.values()]
-    values = torch.stack(sums).tolist() if sums else []
-    return {k: (tuple(t.shape), str(t.dtype), v) for (k, t), v in zip(tensors.items(), values, strict=True)}
-
-
-def _weighted_sum(t: torch.Tensor) -> torch.Tensor:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start:start + _CHUNK].to(torch.float64)
-        weights = torch.arange(start, start + chunk.numel(), device=t.device, dtype=torch.float64).remainder_(8191).add_(1)
-        total += torch.dot(chunk, weights)
-    return total
+    return {k: (tuple(tensors[k].shape), tensors[k].dtype, f) for k, f in fingerprints(tensors).items()}
