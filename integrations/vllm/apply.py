@@ -38,6 +38,7 @@ from weightpull.errors import ApplyCheckError, IncompleteApplyError, Unsupported
 
 from ..torch_tensors import fingerprints
 
+
 @attrs.frozen
 class ApplyReport:
     tensors: int  # published tensors loaded

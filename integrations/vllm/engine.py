@@ -73,8 +73,11 @@ class VllmEngine:
         return await self.llm.collective_rpc(method, args=args)
 
     async def start(self, spec: PullSpec) -> None:
-        """Connect every worker to the registry and register its mirrors."""
-        await self._rpc("weightpull_start", attrs.asdict(spec))
+        """Connect every worker to the registry and register its mirrors; raise
+        `UnsupportedModelError` for a model whose updates cannot be made whole."""
+        for status in await self._rpc("weightpull_start", attrs.asdict(spec)):
+            if status.get("error"):
+                raise _error(status["error"])
 
     async def prefetch(self, version: int) -> None:
         statuses = await self._rpc("weightpull_prefetch", version)

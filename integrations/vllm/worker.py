@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weightpull.errors import InvalidArgumentError
+from weightpull.errors import InvalidArgumentError, UnsupportedModelError
 from weightpull.puller import Pulled
 
 from . import apply
@@ -87,7 +87,10 @@ class WeightpullWorker:
         device = mirror_device(spec.get("mirror_device", "cpu"), getattr(self, "device", None))
         if self._weightpull_ties is None:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            apply.refuse_unsupported(model)
+            try:
+                apply.refuse_unsupported(model)
+            except UnsupportedModelError as exc:  # as data: the engine raises it, typed
+                return {"error": error_info(exc)}
             self._weightpull_ties = apply.tied_parameters(model)
         self._weightpull_check = bool(spec.get("check_apply", True))
         self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device)
