@@ -100,6 +100,13 @@ def _needs(extra: str, what: str, exc: ImportError) -> DriverUnavailableError:
     return DriverUnavailableError(f"{what} needs the {extra} extra: pip install 'weightpull[{extra}]' ({exc})")
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write, so that it never interleaves mid-line with the lines
+    of other processes sharing the stream (print() writes the newline apart when unbuffered)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _version() -> str:
     """The installed distribution's version, which `pip show weightpull` reports too."""
     try:
@@ -166,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, _options, parse_size, run_bench, summary_lines
 
     def say(line: str) -> None:
-        print(f"[bench] {line}", file=sys.stderr, flush=True)
+        _say(f"[bench] {line}")
 
     if args.preset:
         raise UsageError("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
@@ -222,8 +229,8 @@ def _registry_serve(args: argparse.Namespace) -> int:
         nonlocal listening
         listening = True
         if secret is None:
-            print(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
-                  "local process can publish, lease and read state", file=sys.stderr)
+            _say(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
+                 "local process can publish, lease and read state")
         metrics = {"metrics": server.metrics_url} if server.metrics_url else {}
         if args.json:  # the ready line for programs: one JSON object
             print(json.dumps({"listening": endpoint, "run": server.epoch, "pid": os.getpid(), **metrics}), flush=True)
@@ -502,7 +509,7 @@ def _report(exc: BaseException, as_json: bool) -> int:
     if isinstance(exc, ImportError) and not isinstance(exc, DriverUnavailableError):
         message += " (an optional dependency is missing: the README's extras say which one brings it)"
     status = _exit_status(exc)
-    print(f"error: {message}", file=sys.stderr)
+    _say(f"error: {message}")
     if as_json:
         print(json.dumps({"error": {"type": type(exc).__name__, "message": message, "exit_status": status}}))
     return status
@@ -527,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
         if isinstance(cause, KeyboardInterrupt):
-            print("interrupted", file=sys.stderr)
+            _say("interrupted")
             return 130
         if isinstance(cause, (WeightpullError, ImportError, OSError)):
             return _report(cause, as_json)

@@ -150,7 +150,11 @@ class Progress:
         self.stream, self.t0 = stream, time.monotonic() if t0 is None else t0
 
     def __call__(self, who: str, msg: str) -> None:
-        print(f"[{time.monotonic() - self.t0:6.2f}s] {who:<10} {msg}", file=self.stream, flush=True)
+        # One write per line. print() writes the text and its newline apart on an unbuffered
+        # stream (PYTHONUNBUFFERED, as on CI), and the trainer's and replicas' lines, sharing
+        # one pipe, would then interleave mid-line; a write under PIPE_BUF is atomic.
+        self.stream.write(f"[{time.monotonic() - self.t0:6.2f}s] {who:<10} {msg}\n")
+        self.stream.flush()
 
 
 # -- a replica, in the trainer's process or in its own -------------------------------------

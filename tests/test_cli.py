@@ -65,13 +65,16 @@ def test_demo_json_summary_and_checks(transport):
 
 
 def _demo_until(line_wanted):
-    """Start the nixl demo; return it and its replicas' pids once `line_wanted` shows."""
+    """Start the nixl demo; return it and its replicas' pids once `line_wanted` shows.
+    Unbuffered, as on CI, where a line written in two pieces would interleave with others."""
     proc = subprocess.Popen([sys.executable, "-m", "weightpull", "demo", "--transport", "nixl", *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids, seen = [], []
     for line in proc.stderr:
         seen.append(line)
+        assert line.count("s] ") <= 1, f"two processes' lines ran together: {line!r}"
         if "up in process" in line:
             pids.append(int(line.split("up in process ")[1].split(",")[0]))
         if line_wanted in line:
@@ -101,6 +104,21 @@ def test_a_replica_process_that_dies_fails_the_demo_and_stops_the_other():
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "was killed by SIGKILL" in err and out == "", err
     assert not any(replica_alive(pid) for pid in pids)
+
+
+def test_progress_writes_each_line_whole():
+    """The demo's processes share one stderr pipe. Unbuffered (PYTHONUNBUFFERED, as on CI),
+    print() writes a line and its newline in two writes, between which another process's
+    line could land: the cause of a flaky Ctrl-C test, whose replica pids ran together."""
+    from weightpull.demo import Progress
+
+    writes = []
+
+    class Stream:
+        write, flush = writes.append, staticmethod(lambda: None)
+
+    Progress(Stream(), t0=0.0)("replica-0", "up in process 42, pulling over nixl")
+    assert len(writes) == 1 and writes[0].endswith("up in process 42, pulling over nixl\n")
 
 
 def test_demo_refuses_bad_arguments():
