@@ -312,7 +312,7 @@ def _status_address(args: argparse.Namespace) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .registry import REGISTRY_ENV, connect_registry
+    from .registry import connect_registry
 
     if args.watch and args.json:
         raise UsageError("--watch draws a live table and --json prints one object: pass one")
@@ -328,13 +328,7 @@ def _status(args: argparse.Namespace) -> int:
         reg = connect_registry(address, secret=secret, retry_for=args.timeout)
         try:
             while True:
-                try:
-                    status = await reg.status()
-                except RegistryUnavailableError as exc:
-                    raise RegistryUnavailableError(
-                        f"{exc}: is `weightpull registry serve` running there? Start it, or pass --registry "
-                        f"ADDRESS or set ${REGISTRY_ENV} to reach another one") from None
-                show(status, reg.epoch)
+                show(await reg.status(), reg.epoch)
                 if not args.watch:
                     return
                 await anyio.sleep(args.watch)
@@ -508,6 +502,9 @@ def _report(exc: BaseException, as_json: bool) -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message
     if isinstance(exc, ImportError) and not isinstance(exc, DriverUnavailableError):
         message += " (an optional dependency is missing: the README's extras say which one brings it)"
+    if isinstance(exc, RegistryUnavailableError):
+        message += (": is `weightpull registry serve` running there? Start it, or pass --registry ADDRESS or "
+                    "set $WEIGHTPULL_REGISTRY to reach another one")
     status = _exit_status(exc)
     _say(f"error: {message}")
     if as_json:

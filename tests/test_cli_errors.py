@@ -214,3 +214,23 @@ def test_the_fake_transport_across_processes_says_it_works_in_one_process_only()
     transport = weightpull.create_transport("fake")
     with pytest.raises(PeerGoneError, match="the fake transport works within one process only"):
         transport.connect(descriptor)
+
+
+# (module made unimportable, arguments, what the error line must say)
+MISSING = [
+    ("torch", ("demo", "--transport", "fake"), "weightpull demo needs torch: pip install 'weightpull[torch]'"),
+    ("torch", ("bench", "--preset", "tiny"), "the bench needs the torch extra: pip install 'weightpull[torch]'"),
+    ("zmq", ("registry", "serve"), "serving the registry needs the service extra: pip install 'weightpull[service]'"),
+    ("zmq", ("registry", "bench"), "the registry bench needs the service extra: pip install 'weightpull[service]'"),
+    ("zmq", ("status",), "status needs the service extra: pip install 'weightpull[service]'"),
+    ("rich", ("status", "--watch"), "status --watch needs the service extra: pip install 'weightpull[service]'"),
+]
+
+
+@pytest.mark.parametrize(("module", "args", "says"), MISSING, ids=[f"{m}: {' '.join(a)}" for m, a, _ in MISSING])
+def test_a_missing_extra_is_named_with_its_pip_command(module, args, says):
+    code = (f"import sys; sys.modules[{module!r}] = None; from weightpull.cli import main; "
+            f"sys.exit(main({list(args)!r}))")  # None in sys.modules: `import` fails as if not installed
+    proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert says in one_error_line(proc)
