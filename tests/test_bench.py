@@ -50,6 +50,6 @@ def test_bench_json(transport):
 
 def test_bench_refuses_what_it_cannot_do():
     proc = bench("--transport", "fake", "--mirror", "cuda", "--size", "1M")
-    assert proc.returncode == 1 and "host memory only" in proc.stderr
+    assert proc.returncode == 2 and "host memory only" in proc.stderr  # a usage error
     proc = bench("--size", "lots")
-    assert proc.returncode == 1 and "size must be" in proc.stderr
+    assert proc.returncode == 2 and "size must be" in proc.stderr

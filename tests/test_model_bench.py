@@ -66,6 +66,6 @@ def test_tiny_preset_json_against_limits_and_baselines():
 
 def test_preset_and_size_exclude_each_other():
     proc = bench("--preset", "tiny", "--size", "1M")
-    assert proc.returncode == 1 and "pass one" in proc.stderr
+    assert proc.returncode == 2 and "pass one" in proc.stderr  # usage errors
     proc = bench("--preset", "huge", "--no-baselines")
-    assert proc.returncode == 1 and "unknown preset" in proc.stderr
+    assert proc.returncode == 2 and "unknown preset" in proc.stderr
