@@ -60,11 +60,24 @@ def tied_parameters(model: torch.nn.Module) -> dict[str, list[str]]:
     return {n: [m for m in group if m != n] for group in names.values() if len(group) > 1 for n in group}
 
 
+# What `load` drives of vLLM's layerwise reload (vllm 0.32; older releases lack it).
+_LAYERWISE = ("initialize_layerwise_reload", "finalize_layerwise_reload", "get_layerwise_info")
+
+
 def refuse_unsupported(model: torch.nn.Module) -> None:
-    """Refuse, at start-up, a model whose update weightpull cannot make whole: a fused-MoE
-    layer whose experts post-process their weights under a quantization method whose
-    update path has not been verified here."""
+    """Refuse, at start-up, what weightpull cannot update whole: a vLLM without the
+    layerwise reload `load` drives, or a fused-MoE layer whose experts post-process their
+    weights under a quantization method whose update path has not been verified here."""
+    import vllm
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        layerwise = None
+    if layerwise is None or not all(hasattr(layerwise, name) for name in _LAYERWISE):
+        raise UnsupportedModelError(f"vLLM {vllm.__version__} lacks the layerwise reload weightpull applies "
+                                    "versions through (vllm.model_executor.model_loader.reload.layerwise, as in 0.32)")
 
     bad = sorted(
         name for name, layer in model.named_modules()
