@@ -55,18 +55,18 @@ def free_port() -> int:
 
 
 class Job:
-    """Two trainer ranks, launched as torchrun would."""
+    """Two trainer ranks, launched as torchrun would: `python -m MODULE *ARGS OUT`."""
 
-    def __init__(self, mode: str, registry: ServedRegistry, out: Path) -> None:
+    def __init__(self, module: str, args: list[str], address: str, out: Path, secret: bytes | None = SECRET) -> None:
         self.out = out
         port = str(free_port())
         self.procs = []
         for rank in range(2):
             extra = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                     "WEIGHTPULL_REGISTRY": registry.address, "OMP_NUM_THREADS": "1"}
+                     "WEIGHTPULL_REGISTRY": address, "OMP_NUM_THREADS": "1"}
             log = open(out / f"rank{rank}.log", "w")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "tests.fsdp_rank", mode, str(out)], cwd=ROOT,
-                                               env=env(**extra), stdout=log, stderr=subprocess.STDOUT))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args, str(out)], cwd=ROOT,
+                                               env=env(secret, **extra), stdout=log, stderr=subprocess.STDOUT))
 
     def report(self, rank: int, timeout: float = 90.0) -> dict:
         path = self.out / f"rank{rank}.json"
@@ -112,7 +112,7 @@ async def pull_and_check(registry: ServedRegistry, nixl, out: Path, version: int
 
 @pytest.mark.parametrize("mode", ["sharded", "gathered"])
 async def test_fsdp_ranks_publish_every_step_and_a_broken_publish_keeps_the_last_version(mode, registry, nixl, tmp_path):
-    job = Job(mode, registry, tmp_path)
+    job = Job("tests.fsdp_rank", [mode], registry.address, tmp_path)
     try:
         reports = [job.report(0), job.report(1) if mode == "sharded" else None]
         manifest, versions = await pull_and_check(registry, nixl, tmp_path, version=3)
