@@ -26,5 +26,7 @@ def test_vllm_demo_json():
     pause_ms = summary["pause_ms"]
     assert len(pause_ms) == 2 and all(p and all(isinstance(ms, float) and ms > 0 for ms in p) for p in pause_ms)
     assert all(applied[-1] == 3 for applied in summary["versions_applied"])
+    assert summary["checks"]["every_apply_checked"] is True  # the check after every apply, on by default
+    assert all(0 < check <= apply for check, apply in zip(summary["apply_check_ms"], summary["apply_ms"], strict=True))
     assert summary["torn_reads_rejected"] >= 1 and summary["trajectories"] == 3 * 4 * 2
     assert "engine up, pauses in abort mode" in proc.stderr

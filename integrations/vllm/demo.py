@@ -206,6 +206,9 @@ def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: 
         "every_prompt_completed": len(state.trajectories) == submitted,
         "every_replica_reached_newest": all(r.agent.serving == cfg.versions for r in state.replicas),
         "torn_read_rejected": torn[0] >= 1 if cfg.tear else True,
+        # The check after every apply ran (PullSpec(check_apply=True), the default) and passed.
+        "every_apply_checked": all(r.engine.last_apply.get("checked", 0) > 0 and r.agent.stats.apply_failures == 0
+                                   for r in state.replicas),
     }
     summary = {
         "engine": "vllm",
@@ -220,6 +223,9 @@ def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: 
         "versions_per_trajectory_max": versions_max,
         "greedy_matches_reference": all(matches),
         "pause_ms": [[round(s * 1e3, 1) for s in r.agent.stats.pause_s] for r in state.replicas],
+        # The last apply of each replica: the reload with its check, and the check's share.
+        "apply_ms": [round(r.engine.last_apply.get("load_s", 0.0) * 1e3, 1) for r in state.replicas],
+        "apply_check_ms": [round(r.engine.last_apply.get("check_s", 0.0) * 1e3, 1) for r in state.replicas],
         "torn_reads_rejected": sum(torn),
         "staleness_max": max(state.ages, default=0),
         "staleness_mean": round(statistics.fmean(state.ages), 3) if state.ages else 0.0,
