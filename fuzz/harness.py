@@ -49,6 +49,8 @@ from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.drivers.faulty import Faults, FaultyTransport
 from weightpull.tensors import HostTensorAdapter
 
+from . import profiles
+
 TTL = 6.0  # every reader's lease TTL; renewed every TTL / 3 while a read runs
 STALL = 30.0  # a pull in which no read lands this long ends with NoProgressError
 WAIT_TIMEOUT = 4.0  # the publisher's bound on waiting for a free slot (policy WAIT)
@@ -76,6 +78,7 @@ def note(what: str) -> None:
     """Count `what` in Hypothesis' statistics (pytest --hypothesis-show-statistics)."""
     if currently_in_test_context():
         event(what)
+    profiles.event(what)
 
 
 def faults(kind: str | None) -> Faults:

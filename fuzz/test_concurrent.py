@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from weightpull import NoReadyVersionError, Publisher, VersionWaitTimeoutError, WhenFull
 
 from .harness import EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump
-from .profiles import PROFILE
+from .profiles import example, fuzz
 
 LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
 NBYTES = sum(n for layout in LAYOUTS.values() for _, n in layout) // len(LAYOUTS)
@@ -225,10 +225,13 @@ def run(scenario: Scenario) -> None:
         raise _first(group) from None
 
 
-@PROFILE
-@given(scenarios)
-def test_concurrent_actors(scenario: Scenario) -> None:
+def one(scenario: Scenario) -> None:
+    example()
     run(scenario)
+
+
+def test_concurrent_actors() -> None:
+    fuzz("test_concurrent_actors", lambda profile: profile(given(scenarios)(one))())
 
 
 # Schedules the long profile failed on, replayed as they were drawn (a reproduce blob

@@ -16,12 +16,21 @@ from __future__ import annotations
 import math
 
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from weightpull import InvalidTransitionError, LeaseExpiredError, LeaseNotFoundError, NoReadyVersionError, WhenFull
 
 from .harness import FAULTS, LAYOUTS, POLL, TTL, WAIT_TIMEOUT, Loop, Reader, ReaderLink, World
-from .profiles import PROFILE
+from .profiles import example, fuzz
 
 # Time in half seconds, so that leases often run out exactly on a renewal or a poll.
 seconds = st.integers(1, 4 * int(TTL)).map(lambda n: n / 2)
@@ -38,6 +47,7 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @initialize(num_slots=st.integers(2, 3), readers=st.integers(1, 3))
     def start(self, num_slots: int, readers: int) -> None:
+        example()
         self.world = World(num_slots)
         self.loop = Loop(self.world.clock)
         self.readers = [self.world.reader() for _ in range(readers)]
@@ -203,8 +213,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.loop.close()
 
 
-TestProtocol = ProtocolMachine.TestCase
-TestProtocol.settings = PROFILE
+def test_protocol() -> None:
+    fuzz("test_protocol", lambda profile: run_state_machine_as_test(ProtocolMachine, settings=profile))
 
 
 # Programs the machine failed on, written out (a state machine takes no @example).
