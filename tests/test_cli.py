@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from weightpull import list_transports
 
 NIXL = any(d.name == "nixl" and d.available for d in list_transports())
 SMALL = ("--size-mib", "16", "--versions", "4")
+PROGRESS = re.compile(r"\[ *\d+\.\d\ds\] ")  # the start of each of the demo's progress lines
 
 
 def run(*args, check=True):
@@ -74,7 +76,7 @@ def _demo_until(line_wanted):
     pids, seen = [], []
     for line in proc.stderr:
         seen.append(line)
-        assert line.count("s] ") <= 1, f"two processes' lines ran together: {line!r}"
+        assert len(PROGRESS.findall(line)) <= 1, f"two processes' lines ran together: {line!r}"
         if "up in process" in line:
             pids.append(int(line.split("up in process ")[1].split(",")[0]))
         if line_wanted in line:
