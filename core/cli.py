@@ -339,23 +339,25 @@ def _status(args: argparse.Namespace) -> int:
         return _status_watch(args, address, read)
 
     def show(status: Any, run: str) -> None:
-        if args.json:
-            print(json.dumps({"registry": address, "run": run, **status.to_dict()}))
-            return
-        lines = [_status_title(address, run, status)]
-        for title, header, rows in _status_sections(status):
-            lines.append(f"{title}:")
-            lines += _table([header, *rows]) if rows else ["  (none)"]
-        print("\n".join(lines))
+        print(json.dumps({"registry": address, "run": run, **status.to_dict()}) if args.json
+              else _status_text(address, run, status))
 
     anyio.run(read, show)
     return 0
 
 
+def _status_text(address: str, run: str, status: Any) -> str:
+    lines = [_status_title(address, run, status)]
+    for title, header, rows in _status_sections(status):
+        lines.append(f"{title}:")
+        lines += _table([header, *rows]) if rows else ["  (none)"]
+    return "\n".join(lines)
+
+
 def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
     """The status as a live table (rich), read again every --watch seconds until Ctrl-C."""
     try:
-        from rich.console import Group
+        from rich.console import Console, Group
         from rich.live import Live
         from rich.table import Table
     except ImportError as exc:
@@ -371,11 +373,18 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
         note = f"refreshed every {args.watch:g} s; Ctrl-C stops"
         return Group(_status_title(address, run, status), *tables, note)
 
-    with Live(auto_refresh=False, transient=False) as live:
-        try:
-            anyio.run(read, lambda status, run: live.update(view(status, run), refresh=True))
-        except KeyboardInterrupt:  # how a watch ends
-            return 0
+    def plain(status: Any, run: str) -> None:  # not a terminal: a block per read, for a log
+        print(_status_text(address, run, status) + "\n", flush=True)
+
+    console = Console()
+    try:
+        if not console.is_interactive:
+            anyio.run(read, plain)
+        else:
+            with Live(console=console, auto_refresh=False, transient=False) as live:
+                anyio.run(read, lambda status, run: live.update(view(status, run), refresh=True))
+    except KeyboardInterrupt:  # how a watch ends
+        return 0
     return 0
 
 

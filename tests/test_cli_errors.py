@@ -179,14 +179,16 @@ def test_a_closed_stdout_ends_quietly():
             assert proc.returncode == 141 and proc.stderr == "", (args, proc.stderr)
 
 
-def test_status_watch_redraws_a_live_table_and_stops_on_ctrl_c():
+@pytest.mark.parametrize("terminal", [True, False], ids=["live table", "plain blocks"])
+def test_status_watch_reads_again_until_ctrl_c(terminal):
     from weightpull.drivers.zmq_registry.bench import publish_one
 
     with Served() as served:
-        # rich draws live only on a terminal; these tell it the pipe is one.
+        # rich draws live only on a terminal; these tell it the pipe is one. Else: a block per read.
+        tty = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"} if terminal else {}
         proc = subprocess.Popen([sys.executable, "-m", "weightpull", "status", "--registry", served.address,
-                                 "--watch", "0.2"], env=env(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--watch", "0.2"], env=env(**tty), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
         seen = ""
         deadline = time.monotonic() + 60
         while "newest READY: none" not in seen and time.monotonic() < deadline:
@@ -197,6 +199,7 @@ def test_status_watch_redraws_a_live_table_and_stops_on_ctrl_c():
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
     assert "newest READY: v1" in seen, seen
+    assert ("\x1b[" in seen) is terminal  # rich's cursor moves, on a terminal only
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
