@@ -483,8 +483,8 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
     status.add_argument("--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)")
     status.add_argument("--watch", type=_positive, nargs="?", const=2.0, metavar="SECONDS",
-                        help="a live table, read again every SECONDS (default: 2) until Ctrl-C (needs rich, "
-                        "in the service extra)")
+                        help="read again every SECONDS (default: 2) until Ctrl-C: a live table on a terminal (rich, "
+                        "in the service extra), else a block per read")
     status.add_argument("--json", action="store_true", help="print the status (or the error) as one JSON object")
     status.set_defaults(func=_status)
     return p
