@@ -237,3 +237,11 @@ def test_a_missing_extra_is_named_with_its_pip_command(module, args, says):
     proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert says in one_error_line(proc)
+
+
+def test_registry_bench_against_a_registry_with_nothing_to_lease():
+    with Served() as served:
+        proc = run("registry", "bench", "--registry", served.address, "--seconds", "0.2", "--json")
+    assert proc.returncode == 1
+    assert f"the registry at {served.address} has none: publish one first" in one_error_line(proc)
+    assert json.loads(proc.stdout)["error"]["type"] == "NoReadyVersionError"
