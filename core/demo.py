@@ -32,7 +32,6 @@ import anyio.abc
 import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from .bench import IN_PROCESS_DRIVERS
 from .errors import DriverUnavailableError, InvalidArgumentError, TornReadError, WeightpullError
 from .publisher import Publisher
 from .puller import Pulled, Puller
@@ -42,6 +41,8 @@ from .transports import create_transport, transport_class
 
 if TYPE_CHECKING:
     from weightpull.drivers.faulty import FaultyTransport
+
+IN_PROCESS_DRIVERS = frozenset({"fake"})  # drivers whose peers share one process: replicas stay in it
 
 HIDDEN = 1024
 LAYERS = 8
