@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from . import schema
 from .errors import InvalidArgumentError
 
 DTYPE_SIZES: Mapping[str, int] = {
@@ -127,27 +128,43 @@ class Layout:
         return tuple(p.spec for p in self.placements)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.specs],
-            "bucket_bytes": self.bucket_bytes,
-            "align": self.align,
-            "signature": self.signature,
-        }
+        return schema.unstructure(self, Layout)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Layout:
+    def from_dict(cls, data: Any) -> Layout:
         """Re-plan from the specs and check that both sides agree byte for byte."""
-        try:
-            specs = [TensorSpec(n, d, s) for n, d, s in data["tensors"]]
-            layout = plan_layout(specs, bucket_bytes=data["bucket_bytes"], align=data["align"])
-            expected = data["signature"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"malformed layout: {exc}") from exc
-        if layout.signature != expected:
-            raise InvalidArgumentError(
-                f"layout signature mismatch: planned {layout.signature}, sent {expected}"
-            )
-        return layout
+        return schema.structure(data, Layout)
+
+
+@attrs.frozen
+class _LayoutForm:
+    """A layout on the wire: its specs and packing; the rest is re-planned from them."""
+
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    bucket_bytes: int
+    align: int
+    signature: str
+
+
+def _unstructure_layout(layout: Layout) -> dict[str, Any]:
+    tensors = tuple((s.name, s.dtype, s.shape) for s in layout.specs)
+    return schema.unstructure(_LayoutForm(tensors, layout.bucket_bytes, layout.align, layout.signature))
+
+
+def _structure_layout(data: Any, _: type) -> Layout:
+    form = schema.converter.structure(data, _LayoutForm)
+    layout = plan_layout(
+        [TensorSpec(*t) for t in form.tensors], bucket_bytes=form.bucket_bytes, align=form.align
+    )
+    if layout.signature != form.signature:
+        raise InvalidArgumentError(
+            f"layout signature mismatch: planned {layout.signature}, sent {form.signature}"
+        )
+    return layout
+
+
+schema.converter.register_unstructure_hook(Layout, _unstructure_layout)
+schema.converter.register_structure_hook(Layout, _structure_layout)
 
 
 def _round_up(n: int, align: int) -> int:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 
+from . import schema
 from .errors import InvalidArgumentError
 from .layout import Layout
 from .sharding import Shard, check_shards
@@ -71,32 +71,15 @@ class Manifest:
         return self.layout.total_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "layout": self.layout.to_dict(),
-            "transport": self.transport,
-            "source": base64.b64encode(self.source).decode(),
-            "slot": self.slot,
-            "publisher": self.publisher,
-            "digests": list(self.digests) if self.digests is not None else None,
-            # Only when sharded: an unsharded manifest's wire form is unchanged.
-            **({"shards": [s.to_dict() for s in self.shards]} if self.shards else {}),
-        }
+        return schema.unstructure(self, Manifest)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
-        try:
-            return cls(
-                version=data["version"],
-                layout=Layout.from_dict(data["layout"]),
-                transport=str(data["transport"]),
-                source=base64.b64decode(data["source"], validate=True),
-                slot=int(data["slot"]),
-                publisher=str(data["publisher"]),
-                digests=data.get("digests"),
-                shards=[Shard.from_dict(s) for s in data.get("shards", ())],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, InvalidArgumentError):
-                raise
-            raise InvalidArgumentError(f"malformed manifest: {exc!r}") from exc
+    def from_dict(cls, data: Any) -> Manifest:
+        return schema.structure(data, Manifest)
+
+
+# Only a sharded manifest sends `shards`: an unsharded one's wire form is unchanged.
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is Manifest,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, shards=override(omit_if_default=True)),
+)

@@ -9,13 +9,13 @@ are contiguous bytes of a contiguous tensor, so nothing is copied twice.
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from . import schema
 from .errors import InvalidArgumentError
 from .layout import DTYPE_SIZES, Layout, TensorSpec, plan_layout
 
@@ -103,25 +103,11 @@ class Shard:
                 yield mine.offset, full.offset + start * row_bytes(full.spec), mine.spec.nbytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "count": self.count,
-            "publisher": self.publisher,
-            "slot": self.slot,
-            "source": base64.b64encode(self.source).decode(),
-            "rows": [list(r) for r in self.rows],
-        }
+        return schema.unstructure(self, Shard)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Shard:
-        return cls(
-            index=data["index"],
-            count=data["count"],
-            publisher=data["publisher"],
-            slot=data["slot"],
-            source=base64.b64decode(data["source"], validate=True),
-            rows=data["rows"],
-        )
+    def from_dict(cls, data: Any) -> Shard:
+        return schema.structure(data, Shard)
 
 
 def check_shards(layout: Layout, shards: Sequence[Shard]) -> None:
