@@ -217,9 +217,9 @@ def test_registry_types_cross_the_wire_and_are_checked():
     )
     assert RegistryStatus.from_dict(json.loads(json.dumps(status.to_dict()))) == status
     for bad in [{**lease.to_dict(), "version": "3"}, {**lease.to_dict(), "ttl": True}, {"id": "x"}, [1], None]:
-        with pytest.raises(InvalidArgumentError, match="malformed Lease"):
+        with pytest.raises(InvalidArgumentError, match="malformed lease: Lease"):
             Lease.from_dict(bad)
-    with pytest.raises(InvalidArgumentError, match="no version state"):
+    with pytest.raises(InvalidArgumentError, match="VersionInfo.state must be one of"):
         VersionInfo.from_dict({**status.versions[0].to_dict(), "state": "GONE"})
 
 
