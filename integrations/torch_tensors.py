@@ -79,7 +79,7 @@ class TorchAdapter:
 # -- fingerprints: is this the same bytes, wherever it lives --------------------------------
 
 _PERIOD = 65521  # a prime: a shift by whole rows of a power-of-two width changes the sum
-_CHUNK = _PERIOD * 256  # words at once (~16.8 M): bounds the int64 scratch to ~270 MiB
+_CHUNK = _PERIOD * 256  # words at once (~16.8 M): bounds the int64 product to ~130 MiB
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -94,12 +94,14 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
+    # The widest word the size allows: 8-byte words need no widening, and move the least.
+    width = next(w for w in (8, 4, 2, 1) if raw.numel() % w == 0)
+    words = raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     weights = _weights(t.device)
     for start in range(0, words.numel(), _CHUNK):  # a chunk starts at a multiple of the period
         chunk = words[start : start + _CHUNK]
-        total += (chunk.to(torch.int64) * weights[: chunk.numel()]).sum()  # wraps modulo 2**64
+        total += (chunk * weights[: chunk.numel()]).sum()  # int64, wrapping modulo 2**64
     return total
 
 

@@ -46,3 +46,19 @@ async def test_torch_dtypes_are_accepted_as_rollout_dtype(world):
     pub = world.publisher(rollout_dtype=torch.float16)
     r = await pub.publish(1, {"w": torch.ones(4)})
     assert r.manifest.layout["w"].spec.dtype == "float16"
+
+
+def test_fingerprints_are_exact_and_see_a_changed_or_moved_word():
+    from weightpull.integrations.torch_tensors import fingerprints
+
+    a = torch.randn(1000, 128, dtype=torch.bfloat16)
+    changed = a.clone()
+    changed.view(-1)[777] += 1
+    sums = fingerprints({"a": a, "same": a.clone(), "changed": changed, "rolled": torch.roll(a, 1, 0),
+                         "empty": torch.empty(0), "three_bytes": torch.ones(3, dtype=torch.uint8)})
+    assert sums["a"] == sums["same"] and sums["a"] != sums["changed"] and sums["a"] != sums["rolled"]
+    assert sums["empty"] == 0 and sums["three_bytes"] == 1 + 2 + 3  # each byte times its place, plus 1
+    n, period = 3 * 65521 * 256 + 5, 65521  # several chunks
+    big = torch.full((n,), 2**62, dtype=torch.int64)  # the sum wraps modulo 2**64
+    weights = (n // period) * period * (period + 1) // 2 + (n % period) * (n % period + 1) // 2
+    assert fingerprints({"big": big})["big"] == (2**62 * weights + 2**63) % 2**64 - 2**63
