@@ -1,7 +1,8 @@
 """The three state machines of weightpull, as transition tables in one place.
 
 Nothing else decides which event a state allows: the registry, the publisher and the
-docs (`make docs` writes docs/states.md) all read these tables. An event a
+docs (`make docs` writes docs/states.md) all read these tables, each through its typed
+`Machine` (`VERSION`, `LEASE`, `SLOT`). An event a
 state does not allow raises `InvalidTransitionError`, naming the machine, state and event.
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
+
+import attrs
 
 from .errors import InvalidTransitionError
 
@@ -75,57 +79,82 @@ V, VE = VersionState, VersionEvent
 L, LE = LeaseState, LeaseEvent
 S, SE = SlotState, SlotEvent
 
-VERSION_TRANSITIONS: Mapping[tuple[VersionState, VersionEvent], VersionState] = {
+StateT = TypeVar("StateT", bound=enum.Enum)
+EventT = TypeVar("EventT", bound=enum.Enum)
+
+
+@attrs.frozen
+class Machine(Generic[StateT, EventT]):
+    """One state machine: its transition table as data, and `fire` to step it. Typed,
+    so that `VERSION.fire(...)` is a `VersionState` to the type checker as well."""
+
+    name: str
+    states: type[StateT]
+    events: type[EventT]
+    initial: StateT
+    table: Mapping[tuple[StateT, EventT], StateT]
+
+    def fire(self, state: StateT, event: EventT, subject: str = "") -> StateT:
+        """The state after `event`, or `InvalidTransitionError` when `state` forbids it."""
+        try:
+            return self.table[(state, event)]
+        except KeyError:
+            raise InvalidTransitionError(self.name, state, event, subject) from None
+
+    def mermaid(self) -> str:
+        """A Mermaid state diagram drawn from the table."""
+        lines = ["stateDiagram-v2", f"    [*] --> {self.initial}"]
+        for (src, event), dst in self.table.items():
+            lines.append(f"    {src} --> {dst}: {event}")
+        targets = set(self.table.values())
+        sources = {src for src, _ in self.table}
+        for state in self.states:
+            if state in targets and state not in sources:
+                lines.append(f"    {state} --> [*]")
+        return "\n".join(lines)
+
+
+VERSION = Machine("version", VersionState, VersionEvent, V.WRITING, {
     (V.WRITING, VE.COMMIT): V.READY,
     (V.WRITING, VE.ABORT): V.ABORTED,
     (V.READY, VE.RETIRE): V.RETIRED,
     (V.RETIRED, VE.RECLAIM): V.RECLAIMED,
     (V.ABORTED, VE.RECLAIM): V.RECLAIMED,
-}
+})
 
-LEASE_TRANSITIONS: Mapping[tuple[LeaseState, LeaseEvent], LeaseState] = {
+LEASE = Machine("lease", LeaseState, LeaseEvent, L.ACTIVE, {
     (L.ACTIVE, LE.RENEW): L.ACTIVE,
     (L.ACTIVE, LE.RELEASE): L.RELEASED,
     (L.ACTIVE, LE.EXPIRE): L.EXPIRED,
-}
+})
 
-SLOT_TRANSITIONS: Mapping[tuple[SlotState, SlotEvent], SlotState] = {
+SLOT = Machine("slot", SlotState, SlotEvent, S.FREE, {
     (S.FREE, SE.FILL): S.WRITING,
     (S.WRITING, SE.COMMIT): S.HOLDING,
     (S.WRITING, SE.ABORT): S.FREE,
     (S.HOLDING, SE.RECLAIM): S.FREE,
-}
+})
 
-MACHINES: Mapping[str, tuple[type[enum.Enum], type[enum.Enum], Mapping]] = {
-    "version": (VersionState, VersionEvent, VERSION_TRANSITIONS),
-    "lease": (LeaseState, LeaseEvent, LEASE_TRANSITIONS),
-    "slot": (SlotState, SlotEvent, SLOT_TRANSITIONS),
-}
+ALL: tuple[Machine[Any, Any], ...] = (VERSION, LEASE, SLOT)
 
-INITIAL = {"version": V.WRITING, "lease": L.ACTIVE, "slot": S.FREE}
+# The views by name, as an `InvalidTransitionError` names a machine (the wire turns the
+# names back into enums through MACHINES).
+_BY_NAME: Mapping[str, Machine[Any, Any]] = {m.name: m for m in ALL}
+MACHINES: Mapping[str, tuple[type[enum.Enum], type[enum.Enum], Mapping[Any, Any]]] = {
+    m.name: (m.states, m.events, m.table) for m in ALL
+}
+INITIAL = {m.name: m.initial for m in ALL}
+VERSION_TRANSITIONS, LEASE_TRANSITIONS, SLOT_TRANSITIONS = VERSION.table, LEASE.table, SLOT.table
 
 
 def transition(machine: str, state: enum.Enum, event: enum.Enum, subject: str = "") -> enum.Enum:
-    """The state after `event`, or `InvalidTransitionError` when `state` forbids it."""
-    table = MACHINES[machine][2]
-    try:
-        return table[(state, event)]
-    except KeyError:
-        raise InvalidTransitionError(machine, state, event, subject) from None
+    """`fire` on the machine called `machine`, untyped; prefer `VERSION.fire` and its kin."""
+    return _BY_NAME[machine].fire(state, event, subject)
 
 
 def mermaid(machine: str) -> str:
     """A Mermaid state diagram drawn from the machine's table."""
-    states, _, table = MACHINES[machine]
-    lines = ["stateDiagram-v2", f"    [*] --> {INITIAL[machine]}"]
-    for (src, event), dst in table.items():
-        lines.append(f"    {src} --> {dst}: {event}")
-    targets = {dst for dst in table.values()}
-    sources = {src for src, _ in table}
-    for state in states:
-        if state in targets and state not in sources:
-            lines.append(f"    {state} --> [*]")
-    return "\n".join(lines)
+    return _BY_NAME[machine].mermaid()
 
 
 def markdown() -> str:
@@ -137,6 +166,6 @@ def markdown() -> str:
         "when this file and the tables disagree. Any event not drawn from a state raises",
         "`InvalidTransitionError` naming the machine, the state and the event.",
     ]
-    for machine in MACHINES:
-        parts += ["", f"## {machine}", "", "```mermaid", mermaid(machine), "```"]
+    for machine in ALL:
+        parts += ["", f"## {machine.name}", "", "```mermaid", machine.mermaid(), "```"]
     return "\n".join(parts) + "\n"
