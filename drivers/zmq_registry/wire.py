@@ -21,12 +21,13 @@ import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 
-from weightpull import errors
+from weightpull import errors, schema
 from weightpull.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -37,7 +38,10 @@ from weightpull.errors import (
     ReplayedMessageError,
     WeightpullError,
 )
+from weightpull.schema import show
 from weightpull.states import MACHINES
+
+T = TypeVar("T")
 
 PROTOCOL = 1
 MAC_BYTES = 32
@@ -46,8 +50,6 @@ REPLAY_WINDOW = 60.0  # seconds either side of the server's wall clock
 EPOCH_MISMATCH = "EpochMismatch"  # the error that tells a client the server restarted
 SECRET_ENV = "WEIGHTPULL_SECRET"
 
-_REQUEST_KEYS = frozenset({"wp", "type", "id", "nonce", "ts", "epoch", "op", "args"})
-_REPLY_KEYS = frozenset({"wp", "type", "id", "re", "nonce", "ts", "epoch", "ok", "result", "error"})
 _MAX_ID = 64
 
 
@@ -133,15 +135,86 @@ def _sealed(key: bytes, body: dict[str, Any]) -> list[bytes]:
     return [mac(key, data) + data]
 
 
+# -- the schema of a message ---------------------------------------------------------------
+# Every value is bounded, not just typed: a hostile message must not overflow the replay
+# window's float maths (an int of 400 digits) or make the server keep a huge string.
+
+Id = schema.refined("Id", str, f"a string of 1 to {_MAX_ID} characters", lambda v: 0 < len(v) <= _MAX_ID)
+Nonce = schema.refined("Nonce", str, "a string of 16 to 64 characters", lambda v: 16 <= len(v) <= 64)
+OpName = schema.refined("OpName", str, "an operation name", lambda v: 0 < len(v) <= 32)
+Text = schema.refined("Text", str, "a string of at most 4096 characters", lambda v: len(v) <= 4096)
+Count = schema.refined("Count", int, "an int in [0, 2**63)", lambda v: 0 <= v < 2**63)
+Seconds = schema.refined("Seconds", float, "a number of magnitude below 1e18", lambda v: -1e18 < v < 1e18)
+ShardArg = schema.refined(
+    "ShardArg", tuple[Count, Count], "[index, count] with 0 <= index < count", lambda v: v[0] < v[1]
+)
+Object = dict[str, Any]
+
+
+@attrs.frozen
+class RequestBody:
+    wp: int
+    type: str
+    id: Id  # the same on every retry
+    nonce: Nonce
+    ts: Seconds
+    epoch: Id | None
+    op: OpName
+    args: Object
+
+
+@attrs.frozen
+class ErrorBody:
+    type: Text  # the exception's class name
+    message: Text
+    fields: Object | None = None  # what an InvalidTransitionError is rebuilt from
+
+
+@attrs.frozen
+class ReplyBody:
+    wp: int
+    type: str
+    id: Id | None
+    re: Nonce | None
+    nonce: Nonce
+    ts: Seconds
+    epoch: Id
+    ok: bool
+    result: Any
+    error: ErrorBody | None
+
+
+@attrs.frozen
+class TransitionFields:
+    machine: Text
+    state: Text
+    event: Text
+    subject: Text
+
+
+schema.converter.register_unstructure_hook(  # "fields" only when there are some, as ever
+    ErrorBody, make_dict_unstructure_fn(ErrorBody, schema.converter, fields=override(omit_if_default=True))
+)
+
+
+def _body(data: dict[str, Any], form: type[T], kind: str) -> T:
+    """A message body, once its protocol and kind match, as `form`, every field checked."""
+    if data.get("wp") != PROTOCOL or data.get("type") != kind:
+        raise MalformedMessageError(
+            f"expected a protocol {PROTOCOL} {kind}, got protocol {show(data.get('wp'))} {show(data.get('type'))}"
+        )
+    return schema.structure(data, form, MalformedMessageError)
+
+
 def encode_request(key: bytes, req: Request) -> list[bytes]:
-    return _sealed(key, {"wp": PROTOCOL, "type": "request", "id": req.id, "nonce": req.nonce, "ts": req.ts,
-                         "epoch": req.epoch, "op": req.op, "args": req.args})
+    body = RequestBody(PROTOCOL, "request", req.id, req.nonce, req.ts, req.epoch, req.op, req.args)
+    return _sealed(key, schema.unstructure(body))
 
 
 def encode_reply(key: bytes, rep: Reply) -> list[bytes]:
-    return _sealed(key, {"wp": PROTOCOL, "type": "reply", "id": rep.id, "re": rep.re, "nonce": rep.nonce,
-                         "ts": rep.ts, "epoch": rep.epoch, "ok": rep.ok, "result": rep.result,
-                         "error": None if rep.error is None else dict(rep.error)})
+    error = None if rep.error is None else ErrorBody(**rep.error)
+    body = ReplyBody(PROTOCOL, "reply", rep.id, rep.re, rep.nonce, rep.ts, rep.epoch, rep.ok, rep.result, error)
+    return _sealed(key, schema.unstructure(body))
 
 
 def _open(key: bytes, frames: list[bytes], max_bytes: int) -> dict[str, Any]:
@@ -161,60 +234,26 @@ def _open(key: bytes, frames: list[bytes], max_bytes: int) -> dict[str, Any]:
     return data
 
 
-def _field(data: Mapping[str, Any], key: str, ok: Callable[[Any], bool], want: str) -> Any:
-    value = data[key]
-    if not ok(value):
-        raise MalformedMessageError(f"field {key!r} must be {want}, got {_show(value)}")
-    return value
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _envelope(data: dict[str, Any], keys: frozenset[str], kind: str) -> None:
-    if set(data) != keys:
-        missing, extra = sorted(keys - set(data)), sorted(set(data) - keys)
-        raise MalformedMessageError(f"{kind} fields wrong: missing {missing}, unexpected {extra}")
-    if data["wp"] != PROTOCOL or data["type"] != kind:
-        raise MalformedMessageError(
-            f"expected a protocol {PROTOCOL} {kind}, got protocol {_show(data['wp'])} {_show(data['type'])}"
-        )
-
-
 def decode_request(key: bytes, frames: list[bytes], *, max_bytes: int = MAX_MESSAGE) -> Request:
     """A request, checked in order: framing, size, MAC, JSON, envelope. Its op and args
     are checked by `check_args`; its nonce and timestamp by a `ReplayWindow`."""
-    data = _open(key, frames, max_bytes)
-    _envelope(data, _REQUEST_KEYS, "request")
-    return Request(
-        id=_field(data, "id", _is_id, f"a string of 1 to {_MAX_ID} characters"),
-        op=_field(data, "op", _is_name, "an operation name"),
-        args=_field(data, "args", _is_dict, "an object"),
-        epoch=_field(data, "epoch", _opt(_is_id), "a run epoch or null"),
-        nonce=_field(data, "nonce", _is_nonce, "a string of 16 to 64 characters"),
-        ts=_field(data, "ts", _is_number, "a number of seconds"),
-    )
+    body = _body(_open(key, frames, max_bytes), RequestBody, "request")
+    return Request(id=body.id, op=body.op, args=body.args, epoch=body.epoch, nonce=body.nonce, ts=body.ts)
 
 
 def decode_reply(key: bytes, frames: list[bytes], *, max_bytes: int = MAX_MESSAGE) -> Reply:
-    data = _open(key, frames, max_bytes)
-    _envelope(data, _REPLY_KEYS, "reply")
-    ok = _field(data, "ok", lambda v: isinstance(v, bool), "a boolean")
-    error = data["error"]
-    if not ok and not (isinstance(error, dict) and _is_str(error.get("type")) and _is_str(error.get("message"))):
-        raise MalformedMessageError(f"a failed reply must name its error, got {_show(error)}")
-    return Reply(
-        id=_field(data, "id", _opt(_is_id), "a request id or null"),
-        re=_field(data, "re", _opt(_is_nonce), "a nonce or null"),
-        epoch=_field(data, "epoch", _is_id, "a run epoch"),
-        ok=ok,
-        result=data["result"],
-        error=error,
-        nonce=_field(data, "nonce", _is_nonce, "a nonce"),
-        ts=_field(data, "ts", _is_number, "a number of seconds"),
-    )
+    body = _body(_open(key, frames, max_bytes), ReplyBody, "reply")
+    if not body.ok and body.error is None:
+        raise MalformedMessageError("a failed reply must name its error, got null")
+    error = None if body.error is None else schema.unstructure(body.error)
+    return Reply(body.id, body.re, body.epoch, body.ok, body.result, error, body.nonce, body.ts)
+
+
+def _fits(value: Any, form: Any) -> Any:
+    try:
+        return schema.converter.structure(value, form)
+    except schema.Refused:
+        return None
 
 
 def peek(frames: list[bytes], max_bytes: int = MAX_MESSAGE) -> tuple[str | None, str | None]:
@@ -228,89 +267,47 @@ def peek(frames: list[bytes], max_bytes: int = MAX_MESSAGE) -> tuple[str | None,
         return None, None
     if not isinstance(data, dict):
         return None, None
-    msg_id, nonce = data.get("id"), data.get("nonce")
-    return (msg_id if _is_id(msg_id) else None), (nonce if _is_nonce(nonce) else None)
+    return _fits(data.get("id"), Id), _fits(data.get("nonce"), Nonce)
 
 
 # -- operations ------------------------------------------------------------------------
 
 
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 4096
-
-
-def _is_id(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= _MAX_ID
-
-
-def _is_nonce(v: Any) -> bool:
-    return isinstance(v, str) and 16 <= len(v) <= 64
-
-
-def _is_name(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= 32
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
-
-
-def _is_number(v: Any) -> bool:
-    # Bounded, not just finite: an int of 400 digits would overflow float arithmetic.
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and -1e18 < v < 1e18
-
-
-def _is_dict(v: Any) -> bool:
-    return isinstance(v, dict)
-
-
-def _opt(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or test(v)
-
-
-def _is_shard(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v) and v[0] < v[1]
-
-
-@attrs.frozen
-class Arg:
-    test: Callable[[Any], bool]
-    want: str
-
-
-INT = Arg(_is_int, "an int in [0, 2**63)")
-STR = Arg(_is_str, "a string of at most 4096 characters")
-NUMBER = Arg(_is_number, "a number of magnitude below 1e18")
-OBJECT = Arg(_is_dict, "an object")
-OPT_INT = Arg(_opt(_is_int), "an int in [0, 2**63) or null")
-OPT_NUMBER = Arg(_opt(_is_number), "a number of magnitude below 1e18, or null")
-SHARD = Arg(_is_shard, "[index, count] with 0 <= index < count")
-
-
 @attrs.frozen
 class Op:
-    args: Mapping[str, Arg]
+    args: Mapping[str, Any]  # name -> type, each required
     mutates: bool  # its outcome is cached by request id: a retry is answered, not re-run
-    optional: Mapping[str, Arg] = attrs.Factory(dict)  # sent only when set: older peers never see them
+    optional: Mapping[str, Any] = attrs.Factory(dict)  # sent only when set: older peers never see them
 
 
 OPS: Mapping[str, Op] = {
     "ping": Op({}, False),
-    "begin": Op({"version": INT, "publisher": STR, "slot": INT}, True, {"shard": SHARD}),
-    "commit": Op({"manifest": OBJECT}, True),
-    "abort": Op({"version": INT, "reason": STR}, True, {"shard": SHARD}),
-    "retire": Op({"version": INT}, True),
-    "reclaim": Op({"version": INT}, True),
+    "begin": Op({"version": Count, "publisher": Text, "slot": Count}, True, {"shard": ShardArg}),
+    "commit": Op({"manifest": Object}, True),
+    "abort": Op({"version": Count, "reason": Text}, True, {"shard": ShardArg}),
+    "retire": Op({"version": Count}, True),
+    "reclaim": Op({"version": Count}, True),
     "newest": Op({}, False),
-    "get": Op({"version": INT}, False),
-    "acquire": Op({"version": OPT_INT, "ttl": NUMBER, "holder": STR}, True),
-    "renew": Op({"lease": OBJECT}, True),
-    "release": Op({"lease": OBJECT}, True),
-    "is_valid": Op({"lease": OBJECT}, False),
-    "wait_for_version": Op({"min_version": INT, "timeout": OPT_NUMBER}, False),
-    "report_serving": Op({"replica": STR, "version": INT}, True),
+    "get": Op({"version": Count}, False),
+    "acquire": Op({"version": Count | None, "ttl": Seconds, "holder": Text}, True),
+    "renew": Op({"lease": Object}, True),
+    "release": Op({"lease": Object}, True),
+    "is_valid": Op({"lease": Object}, False),
+    "wait_for_version": Op({"min_version": Count, "timeout": Seconds | None}, False),
+    "report_serving": Op({"replica": Text, "version": Count}, True),
     "status": Op({}, False),
 }
+
+
+def _args_form(name: str, op: Op) -> type:
+    """The attrs class an operation's arguments must structure as. An optional argument
+    defaults to None yet is not Optional: sent, it must be a value, never null."""
+    fields = {k: attrs.field(type=t) for k, t in op.args.items()}
+    fields |= {k: attrs.field(type=t, default=None) for k, t in op.optional.items()}
+    return attrs.make_class("".join(w.title() for w in name.split("_")) + "Args", fields, frozen=True)
+
+
+_ARGS = {name: _args_form(name, op) for name, op in OPS.items()}
 
 
 def check_args(req: Request) -> Op:
@@ -318,14 +315,8 @@ def check_args(req: Request) -> Op:
     it takes, each of the right type."""
     op = OPS.get(req.op)
     if op is None:
-        raise MalformedMessageError(f"unknown operation {_show(req.op)}")
-    takes = {**op.args, **op.optional}
-    if not set(op.args) <= set(req.args) <= set(takes):
-        missing, extra = sorted(set(op.args) - set(req.args)), sorted(set(req.args) - set(takes))
-        raise MalformedMessageError(f"{req.op}: missing arguments {missing}, unexpected {extra}")
-    for name, arg in takes.items():
-        if name in req.args and not arg.test(req.args[name]):
-            raise MalformedMessageError(f"{req.op}: {name} must be {arg.want}, got {_show(req.args[name])}")
+        raise MalformedMessageError(f"unknown operation {show(req.op)}")
+    schema.structure(req.args, _ARGS[req.op], MalformedMessageError)
     return op
 
 
@@ -333,11 +324,10 @@ def check_args(req: Request) -> Op:
 
 
 def error_to_dict(exc: WeightpullError) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    fields = None
     if isinstance(exc, InvalidTransitionError):
-        out["fields"] = {"machine": exc.machine, "state": str(exc.state), "event": str(exc.event),
-                         "subject": exc.subject}
-    return out
+        fields = {"machine": exc.machine, "state": str(exc.state), "event": str(exc.event), "subject": exc.subject}
+    return schema.unstructure(ErrorBody(type(exc).__name__, str(exc), fields))
 
 
 def error_from_dict(data: Mapping[str, Any]) -> WeightpullError:
@@ -348,16 +338,17 @@ def error_from_dict(data: Mapping[str, Any]) -> WeightpullError:
     if not (isinstance(cls, type) and issubclass(cls, WeightpullError)):
         return RegistryError(f"{name}: {message}")
     if cls is InvalidTransitionError:
-        f = data.get("fields")
-        if isinstance(f, dict) and all(_is_str(f.get(k)) for k in ("machine", "state", "event", "subject")):
-            machine = f["machine"]
-            state, event = f["state"], f["event"]
-            if machine in MACHINES:  # back to the enums, where they name real members
-                states, events, _ = MACHINES[machine]
-                state = next((s for s in states if s.value == state), state)
-                event = next((e for e in events if e.value == event), event)
-            return InvalidTransitionError(machine, state, event, f["subject"])
-        return RegistryError(f"{name}: {message}")
+        try:
+            f = schema.structure(data.get("fields"), TransitionFields, MalformedMessageError)
+        except MalformedMessageError:
+            return RegistryError(f"{name}: {message}")
+        state: Any = f.state
+        event: Any = f.event
+        if f.machine in MACHINES:  # back to the enums, where they name real members
+            states, events, _ = MACHINES[f.machine]
+            state = next((s for s in states if s.value == state), state)
+            event = next((e for e in events if e.value == event), event)
+        return InvalidTransitionError(f.machine, state, event, f.subject)
     for klass in cls.__mro__:  # the nearest class built from a message alone
         if issubclass(klass, WeightpullError):
             try:
