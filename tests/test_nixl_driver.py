@@ -21,11 +21,11 @@ from weightpull import (
     create_transport,
     list_transports,
 )
-from weightpull.bench import BenchConfig, _PublisherProcess, digest
+from weightpull.integrations.bench.pull import BenchConfig, PublisherProcess, digest
 from weightpull.drivers import nixl as nixl_driver
 from weightpull.drivers.nixl import NixlTransport, nixl_errors
 
-from .conformance.kits import ProcessPeer, pattern
+from weightpull.drivers.testing.conformance import ProcessPeer, pattern
 
 pytestmark = pytest.mark.anyio
 
@@ -130,7 +130,7 @@ async def test_a_crashed_peer_is_gone():
 async def test_publish_in_one_process_pull_in_another():
     """The real deployment's shape: the publisher's process serves, this one pulls."""
     cfg = BenchConfig(transport="nixl", size=3 << 20, bucket_bytes=1 << 20)
-    proc = _PublisherProcess(cfg)
+    proc = PublisherProcess(cfg)
     try:
         manifest, want = await anyio.to_thread.run_sync(proc.ready)
         registry = InProcessRegistry()

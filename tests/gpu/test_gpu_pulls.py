@@ -25,7 +25,7 @@ from weightpull.drivers.cuda_ipc import cuda, mappings
 from weightpull.integrations.gpu_bench import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
 
-from ..conformance.kits import ProcessPeer
+from weightpull.drivers.testing.conformance import ProcessPeer
 
 pytestmark = pytest.mark.anyio
 SHAPES = [("embed", (1000, 512)), *[(f"layer{i}.w", (512, 384 + i)) for i in range(12)], ("norm", (512,))]

@@ -26,7 +26,7 @@ from weightpull import (
 from weightpull.drivers.torch_transport import TorchTransport, torch_errors
 from weightpull.drivers.zmq_registry.client import ZmqRegistry
 
-from ..conformance.kits import ProcessPeer
+from weightpull.drivers.testing.conformance import ProcessPeer
 from ..conftest import host_tensors
 from ..served import SECRET, ServedRegistry, env
 

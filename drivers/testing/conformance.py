@@ -1,8 +1,13 @@
-"""What the conformance suite needs of each driver: a local endpoint, a peer that
-registers and exports memory (in a process of its own wherever the driver crosses
-processes), and a way to ask the driver's library whether it still holds a region.
+"""What the driver conformance suite needs of each driver (its `Kit`): a local endpoint, a
+peer that registers and exports memory (in a process of its own wherever the driver
+crosses processes), a way to ask the driver's library whether it still holds a region,
+and a way to widen a descriptor past what was registered.
 
-A new driver joins the suite with one entry in `KITS`.
+The built-in drivers' kits are in `KITS`. A third-party driver gets one by `kit_for(name)`:
+from the entry-point group `weightpull.conformance_kits` (a callable returning a `Kit`,
+under the driver's name) if its package offers one, else a generic kit (a peer in a
+process of its own, through `create_transport(name)`), whose tests that need `holds` or
+`widen` are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import attrs
 
 from weightpull import Region, Transport, create_transport
 from weightpull.drivers.fake import FakeFabric, FakeTransport
+
+KIT_ENTRY_POINT_GROUP = "weightpull.conformance_kits"
 
 
 def pattern(nbytes: int, seed: int) -> bytes:
@@ -157,8 +164,8 @@ class Kit:
     name: str
     new_transport: Callable[[], Transport]
     new_peer: Callable[[], InProcessPeer | ProcessPeer]
-    holds: Callable[[Any, Region], bool]  # the driver's library still holds the region
-    widen: Callable[[bytes, int], bytes]
+    holds: Callable[[Any, Region], bool] | None = None  # the driver's library still holds the region
+    widen: Callable[[bytes, int], bytes] | None = None  # a descriptor claiming more than registered
     shared: Any = None  # a peer the module's tests share
 
     def shared_peer(self) -> Any:
@@ -235,6 +242,24 @@ KITS: dict[str, Callable[[], Kit]] = {
     "fake": fake_kit, "nixl": nixl_kit, "torch": torch_kit,
     "cuda_ipc": cuda_ipc_kit, "cuda_ipc_host": lambda: cuda_ipc_kit("cpu"),
 }
+def generic_kit(name: str) -> Kit:
+    """Any driver `create_transport` knows, its peer in a process of its own."""
+    return Kit(name, lambda: create_transport(name), lambda: ProcessPeer(name))
+
+
+def kit_for(name: str) -> Kit:
+    """The kit of a built-in driver, the one a driver's package registers under
+    `weightpull.conformance_kits`, or a generic one."""
+    if name in KITS:
+        return KITS[name]()
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=KIT_ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep.load()()
+    return generic_kit(name)
+
+
 # The drivers a plain `pytest` runs the suite against. Others need an environment of their
 # own (torch: torch >= 2.15) or a GPU (cuda_ipc): WEIGHTPULL_DRIVERS=name,... picks them,
 # and a picked driver that cannot run here fails its tests rather than skip them.
