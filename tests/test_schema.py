@@ -18,6 +18,7 @@ from weightpull.states import VersionState
 
 LAYOUT = plan_layout([TensorSpec("w", "float32", (4, 2)), TensorSpec("b", "bfloat16", (4,))], bucket_bytes=64)
 SHARDS = (Shard(0, 2, "p0", 0, b"s0", ((0, 2), (0, 2))), Shard(1, 2, "p1", 1, b"s1", ((2, 4), (2, 4))))
+PLAIN = Manifest(3, LAYOUT, "fake", b"src", 1, "p", digests=["0" * 32] * len(LAYOUT.buckets))
 LEASE = Lease("abc-1", 3, "r0", 5.5, 12.5)
 STATUS = RegistryStatus(
     4,
@@ -46,7 +47,7 @@ FORMS = [
     (LAYOUT, {"tensors": [["w", "float32", [4, 2]], ["b", "bfloat16", [4]]], "bucket_bytes": 64, "align": 256,
               "signature": LAYOUT.signature}),
     (SHARDS[1], {"index": 1, "count": 2, "publisher": "p1", "slot": 1, "source": "czE=", "rows": [[2, 4], [2, 4]]}),
-    (Manifest(3, LAYOUT, "fake", b"src", 1, "p", digests=["0" * 32] * len(LAYOUT.buckets)), {
+    (PLAIN, {
         "version": 3, "layout": LAYOUT.to_dict(), "transport": "fake", "source": "c3Jj", "slot": 1, "publisher": "p",
         "digests": ["0" * 32] * len(LAYOUT.buckets),
     }),
@@ -147,9 +148,9 @@ def test_a_record_comes_from_an_object_only(cls, data):
 def test_the_records_own_checks_still_run_named():
     tampered = {**LAYOUT.to_dict(), "signature": "0" * 32}
     with pytest.raises(InvalidArgumentError, match="Manifest.layout: layout signature mismatch"):
-        Manifest.from_dict({**FORMS[4][1], "layout": tampered})
+        Manifest.from_dict({**PLAIN.to_dict(), "layout": tampered})
     with pytest.raises(InvalidArgumentError, match="Manifest: manifest v3: 1 digests for 2 buckets"):
-        Manifest.from_dict({**FORMS[4][1], "digests": ["00"]})
+        Manifest.from_dict({**PLAIN.to_dict(), "digests": ["00"]})
     with pytest.raises(InvalidArgumentError, match=r"Shard.rows\[0\] must hold 2 items"):
         Shard.from_dict({**SHARDS[0].to_dict(), "rows": [[0, 1, 2], [0, 2]]})
     with pytest.raises(InvalidArgumentError, match="Shard.source must be base64 text"):
