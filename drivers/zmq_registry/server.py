@@ -1,8 +1,9 @@
 """`weightpull registry serve`: an `InProcessRegistry` behind a ZeroMQ ROUTER socket.
 
-One task reads requests and answers them in arrival order. The registry's operations
-never wait, so each runs whole before the next message is read, and no two interleave;
-only `wait_for_version` waits, in a task of its own. A message that fails any check
+One task reads requests and answers them in arrival order. Each operation is one
+synchronous call on the registry's `RegistryMachine`, so it runs whole before the next
+message is read and no two interleave; only `wait_for_version` waits, on the
+`InProcessRegistry` around that machine, in a task of its own. A message that fails any check
 (framing, size, MAC, replay window, schema) gets an error reply and a log line, and
 touches nothing. Leases are judged on this process's clock.
 
@@ -83,6 +84,7 @@ class RegistryServer:
         self.key = secret or b""
         self.epoch = secrets.token_hex(8)  # this run; a restart draws another
         self.registry = registry or InProcessRegistry()
+        self.machine = self.registry.machine  # decides every operation but waiting
         self.max_message = max_message
         self.max_wait = max_wait
         self.window = wire.ReplayWindow(replay_window)
@@ -159,7 +161,11 @@ class RegistryServer:
 
     async def _answer(self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, cache: bool) -> None:
         try:
-            outcome: dict[str, Any] = {"ok": True, "result": await self._execute(req.op, req.args)}
+            if req.op == "wait_for_version":
+                result = await self._wait_for_version(req.args)
+            else:
+                result = self._execute(req.op, req.args)  # synchronous: nothing interleaves
+            outcome: dict[str, Any] = {"ok": True, "result": result}
         except WeightpullError as exc:
             outcome = {"ok": False, "error": wire.error_to_dict(exc)}
         except Exception as exc:  # a bug: the client hears of it too
@@ -182,43 +188,44 @@ class RegistryServer:
     async def _send(self, sock: zmq.asyncio.Socket, peer: bytes, reply: Reply) -> None:
         await sock.send_multipart([peer, *wire.encode_reply(self.key, reply)])
 
-    async def _execute(self, op: str, a: dict[str, Any]) -> Any:
-        """Run one checked request on the registry; the result as JSON values."""
-        r = self.registry
+    def _execute(self, op: str, a: dict[str, Any]) -> Any:
+        """Run one checked request on the machine; the result as JSON values."""
+        m = self.machine
         match op:
             case "ping":
                 return None
             case "begin":
-                return await r.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a))
+                return m.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a))
             case "commit":
-                return await r.commit(Manifest.from_dict(a["manifest"]))
+                return m.commit(Manifest.from_dict(a["manifest"]))
             case "abort":
-                return await r.abort(a["version"], a["reason"], shard=_shard(a))
+                return m.abort(a["version"], a["reason"], shard=_shard(a))
             case "retire":
-                return await r.retire(a["version"])
+                return m.retire(a["version"])
             case "reclaim":
-                return await r.reclaim(a["version"])
+                return m.reclaim(a["version"])
             case "newest":
-                manifest = await r.newest()
+                manifest = m.newest()
                 return None if manifest is None else manifest.to_dict()
             case "get":
-                return (await r.get(a["version"])).to_dict()
+                return m.get(a["version"]).to_dict()
             case "acquire":
-                return (await r.acquire(a["version"], ttl=a["ttl"], holder=a["holder"])).to_dict()
+                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"]).to_dict()
             case "renew":
-                return (await r.renew(Lease.from_dict(a["lease"]))).to_dict()
+                return m.renew(Lease.from_dict(a["lease"])).to_dict()
             case "release":
-                return await r.release(Lease.from_dict(a["lease"]))
+                return m.release(Lease.from_dict(a["lease"]))
             case "is_valid":
-                return await r.is_valid(Lease.from_dict(a["lease"]))
-            case "wait_for_version":
-                timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-                return (await r.wait_for_version(a["min_version"], timeout)).to_dict()
+                return m.is_valid(Lease.from_dict(a["lease"]))
             case "report_serving":
-                return await r.report_serving(a["replica"], a["version"])
+                return m.report_serving(a["replica"], a["version"])
             case "status":
-                return (await r.status()).to_dict()
+                return m.status().to_dict()
         raise ProtocolError(f"no handler for {op!r}")  # wire.OPS and this match disagree
+
+    async def _wait_for_version(self, a: dict[str, Any]) -> Any:
+        timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
+        return (await self.registry.wait_for_version(a["min_version"], timeout)).to_dict()
 
 
 def _shard(args: dict[str, Any]) -> tuple[int, int] | None:
