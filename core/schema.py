@@ -48,7 +48,10 @@ class Refused(ValueError):
 
 def show(value: Any) -> str:
     """A value as an error message quotes it: its repr, cut short."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit limit for str()
+        return f"an int of {value.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
