@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import socket
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +27,7 @@ import torch
 
 from .flow import STEP, make_tensors, sums, sync
 from .presets import PRESETS
+from .util import free_port, gbps, median_ms
 
 KINDS = {
     "gloo": "torch.distributed broadcast of buckets over gloo (two processes)",
@@ -157,16 +156,10 @@ def rank_main(*args: Any) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], None]) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
-    port = _free_port()
+    port = free_port()
     outs: list[Any] = []  # rank i's pipe at index i
     procs = []
     for rank, peer in ((0, a), (1, b)):  # a pipe each: two writers could interleave long messages
@@ -210,10 +203,10 @@ def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], Non
     nbytes = PRESETS[preset].bf16_bytes()
     return {
         "name": kind, "what": KINDS[kind], "bucket_bytes": bucket_bytes(preset), "buckets": nbuckets,
-        "update_gbps": round(nbytes / statistics.median(serving) / 1e9, 3),
-        "publish_block_ms": round(statistics.median(block) * 1e3, 2),
-        "apply_pause_ms": round(statistics.median(pause) * 1e3, 2),
-        "publish_to_serving_ms": round(statistics.median(serving) * 1e3, 2),
+        "update_gbps": gbps(nbytes, serving),
+        "publish_block_ms": median_ms(block),
+        "apply_pause_ms": median_ms(pause),
+        "publish_to_serving_ms": median_ms(serving),
         "byte_exact": sums_[0] == sums_[1],
     }
 

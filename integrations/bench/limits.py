@@ -1,24 +1,91 @@
 """The machine's own limits, measured in the same run: plain copies with no protocol.
 
-Rates are measured on a sample of up to 1 GiB (pinning the whole 16 GB set would cost ~8 s)
-and scaled to the set's bytes. GB/s are 10^9 bytes copied per second, best of the rounds.
+The pull bench times them at its own size; the model bench on a sample of up to 1 GiB
+(pinning the whole 16 GB set would cost ~8 s), scaled to the set's bytes. GB/s are 10^9
+bytes copied per second. torch is imported only for the GPU copies and the cast.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import time
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from weightpull.bench import BenchConfig, _device_copy_seconds, _memcpy_seconds
+from .util import gbps
 
 SAMPLE_BYTES = 1 << 30
 RATES = ("memcpy_gbps", "h2d_gbps", "d2h_gbps", "d2d_gbps")  # the machine's copies, as measured
+_KINDS = {"cpu": "pinned host", "cuda": "GPU"}
+
+
+def timed(fn: Callable[[], float], repeat: int) -> list[float]:
+    """`repeat` runs of `fn`, which returns its own seconds, after one to warm up (page
+    faults, first touch, CUDA's lazy start)."""
+    fn()
+    return [fn() for _ in range(repeat)]
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
+
+
+class Memcpy:
+    """A plain in-process memcpy of `src` into a buffer of our own (`read()`: its seconds)."""
+
+    def __init__(self, src: memoryview) -> None:
+        self.src, self.dst = src, mmap.mmap(-1, len(src))
+        self.dst_view = memoryview(self.dst)
+
+    def read(self) -> float:
+        start = time.perf_counter()
+        ctypes.memmove(_address(self.dst_view), _address(self.src), len(self.src))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.dst_view.release()
+
+
+def memcpy_seconds(nbytes: int, repeat: int) -> list[float]:
+    src = memoryview(mmap.mmap(-1, nbytes))
+    ctypes.memset(_address(src), 1, nbytes)  # untouched pages all map one zero page: too fast
+    memcpy = Memcpy(src)
+    try:
+        return timed(memcpy.read, repeat)
+    finally:
+        memcpy.close()
+
+
+def cuda_copy_seconds(dst: Any, src: Any) -> float:
+    """One `dst.copy_(src)`, timed with CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def device_copy_seconds(nbytes: int, src: str, dst: str, repeat: int) -> tuple[str, list[float]]:
+    """The machine's own copy between two kinds of memory, "cpu" (pinned) or "cuda": its
+    name and timings."""
+    import torch
+
+    def empty(where: str) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu",
+                           pin_memory=where != "cuda")
+
+    a, b = empty(src), empty(dst)
+    return f"{_KINDS[src]}->{_KINDS[dst]} copy", timed(lambda: cuda_copy_seconds(b, a), repeat)
 
 
 def _cast_seconds(nbytes: int, device: str, repeat: int) -> float:
     """One fp32 -> bf16 cast of `nbytes // 2` elements: what a trainer's snapshot must do."""
+    import torch
+
     src = torch.full((nbytes // 2,), 0.1, dtype=torch.float32, device=device)  # values do not change its speed
     dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     best = float("inf")
@@ -28,27 +95,23 @@ def _cast_seconds(nbytes: int, device: str, repeat: int) -> float:
             dst.copy_(src)
             best = min(best, time.perf_counter() - started)
         else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+            best = min(best, cuda_copy_seconds(dst, src))
     return best
 
 
 def measure(nbytes: int, device: str, repeat: int = 3) -> dict[str, Any]:
     """Copy rates on this machine, and what they allow for a set of `nbytes` bf16 bytes."""
+    import torch
+
     sample = min(nbytes, SAMPLE_BYTES)
-    cfg = BenchConfig(size=sample, repeat=repeat)
 
-    def gbps(seconds: list[float]) -> float:
-        return round(sample / min(seconds) / 1e9, 2)
+    def best(seconds: list[float]) -> float:
+        return gbps(sample, seconds, 2, min)
 
-    out: dict[str, Any] = {"sample_bytes": sample, "memcpy_gbps": gbps(_memcpy_seconds(cfg))}
+    out: dict[str, Any] = {"sample_bytes": sample, "memcpy_gbps": best(memcpy_seconds(sample, repeat))}
     if device != "cpu":
-        for key, slot, mirror in (("h2d_gbps", "cpu", "cuda"), ("d2h_gbps", "cuda", "cpu"), ("d2d_gbps", "cuda", "cuda")):
-            out[key] = gbps(_device_copy_seconds(BenchConfig(size=sample, repeat=repeat, slot=slot, mirror=mirror))[1])
+        for key, src, dst in (("h2d_gbps", "cpu", "cuda"), ("d2h_gbps", "cuda", "cpu"), ("d2d_gbps", "cuda", "cuda")):
+            out[key] = best(device_copy_seconds(sample, src, dst, repeat)[1])
         torch.cuda.empty_cache()
     cast_gbps = sample / _cast_seconds(sample, device, repeat) / 1e9  # bf16 bytes written per second
     copy_gbps = out.get("d2d_gbps", out["memcpy_gbps"])
