@@ -9,6 +9,7 @@ commands raise typed errors and never print their own.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -165,49 +166,6 @@ def _drivers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.transport:
-        _check_transport(args.transport)
-    if args.size is None:
-        return _model_bench(args)
-    from .bench import BenchConfig, _options, parse_size, run_bench, summary_lines
-
-    def say(line: str) -> None:
-        _say(f"[bench] {line}")
-
-    if args.preset:
-        raise UsageError("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
-    cfg = BenchConfig(transport=args.transport or "fake", size=parse_size(args.size), repeat=args.repeat,
-                      bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
-                      options=_options(args.option))
-    try:
-        result = anyio.run(run_bench, cfg, say)
-    except RuntimeError as exc:  # the publisher process died: the bench says how
-        raise WeightpullError(str(exc)) from exc
-    print("\n".join(summary_lines(result)), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result))
-    return 0 if result["byte_exact"] else 1
-
-
-def _model_bench(args: argparse.Namespace) -> int:
-    try:
-        from weightpull.integrations import bench
-    except ImportError as exc:
-        raise _needs("torch", "the bench", exc) from None
-    try:
-        result = anyio.run(lambda: bench.run(args.preset, [args.transport] if args.transport else None,
-                                             args.versions, not args.no_baselines))
-    except ValueError as exc:  # an unknown preset, say: the command line's
-        raise UsageError(str(exc)) from exc
-    except RuntimeError as exc:  # a process of the bench died: the bench says how
-        raise WeightpullError(str(exc)) from exc
-    print("\n".join(bench.table(result)), file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result))
-    return 0 if bench.ok(result) else 1
-
-
 def _address(args: argparse.Namespace) -> str | None:
     from .registry import REGISTRY_ENV
 
@@ -251,25 +209,116 @@ def _registry_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registry_bench(args: argparse.Namespace) -> int:
-    try:
-        from weightpull.drivers.zmq_registry import bench
-        from weightpull.drivers.zmq_registry.wire import load_secret
-    except ImportError as exc:
-        raise _needs("service", "the registry bench", exc) from None
+# -- weightpull bench FIGURE: each figure's module in weightpull.integrations.bench --------------
 
-    def measure(address: str, secret: bytes | None) -> bench.BenchResult:
-        return anyio.run(lambda: bench.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
+BENCHES = ("pull", "model", "gpu", "fsdp", "registry")
+
+
+def _bench_module(name: str, extra: str) -> Any:
+    """The bench's module, imported only now: the core imports no integration."""
+    try:
+        return importlib.import_module(f"weightpull.integrations.bench.{name}")
+    except ImportError as exc:
+        raise _needs(extra, f"weightpull bench {name}", exc) from None
+
+
+def _measure(run: Any, *args: Any) -> Any:
+    try:
+        return anyio.run(run, *args)
+    except RuntimeError as exc:  # a process of the bench died: the bench says how
+        raise WeightpullError(str(exc)) from exc
+
+
+def _bench_pull(args: argparse.Namespace) -> int:
+    _check_transport(args.transport)
+    from weightpull.integrations.bench import pull
+    from weightpull.integrations.bench.util import parse_size, say_to_stderr, transport_options
+
+    cfg = pull.BenchConfig(transport=args.transport, size=parse_size(args.size), repeat=args.repeat,
+                           bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
+                           options=transport_options(args.option))
+    result = _measure(pull.run_bench, cfg, say_to_stderr("bench"))
+    print("\n".join(pull.summary_lines(result)), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["byte_exact"] else 1
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    if args.transport:
+        _check_transport(args.transport)
+    model = _bench_module("model", "torch")
+    transports = [args.transport] if args.transport else None
+    try:
+        result = _measure(model.run, args.preset, transports, args.versions, not args.no_baselines)
+    except ValueError as exc:  # an unknown preset, say: the command line's
+        raise UsageError(str(exc)) from exc
+    print("\n".join(model.table(result)), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if model.ok(result) else 1
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    gpu = _bench_module("gpu", "torch")
+    import torch
+
+    from weightpull.integrations.bench.util import parse_size, say_to_stderr
+
+    if not torch.cuda.is_available():
+        raise WeightpullError("weightpull bench gpu needs a CUDA device, and torch sees none here")
+    sizes = [parse_size(s) for s in args.bucket_sizes.split(",")]
+    result = _measure(gpu.run, args.repeat, sizes, say_to_stderr("gpu-bench"))
+    if args.json:
+        print(json.dumps(result))
+    return 0 if gpu.ok(result) else 1
+
+
+def _bench_fsdp(args: argparse.Namespace) -> int:
+    fsdp = _bench_module("fsdp", "fsdp")
+    return 0 if fsdp.ok(fsdp.run(args)) else 1  # each mode's JSON line is printed as it ends
+
+
+def _bench_registry(args: argparse.Namespace) -> int:
+    registry = _bench_module("registry", "service")
+    from weightpull.drivers.zmq_registry.wire import load_secret
+
+    def measure(address: str, secret: bytes | None) -> Any:
+        return anyio.run(lambda: registry.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
 
     address = _address(args)
     if address:
         result = measure(address, load_secret(args.secret_file))
     else:
-        with bench.own_server() as (address, secret):
-            anyio.run(bench.publish_one, address, secret)
+        with registry.own_server() as (address, secret):
+            anyio.run(registry.publish_one, address, secret)
             result = measure(address, secret)
     print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
     return 0
+
+
+def _old_bench_spelling(argv: list[str]) -> list[str]:
+    """The spellings from before `bench` took a figure, kept for one release with a warning
+    on stderr: `bench [--preset ...]` is `bench model`, `bench --size ...` is `bench pull`,
+    `registry bench` is `bench registry`."""
+    i = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    command, rest = argv[i : i + 1], argv[i + 1 :]
+    if command == ["registry"] and rest[:1] == ["bench"]:
+        old, new = "weightpull registry bench", "weightpull bench registry"
+        argv = [*argv[:i], "bench", "registry", *rest[1:]]
+    elif command == ["bench"] and (not rest or rest[0].startswith("-")) and rest not in (["-h"], ["--help"]):
+        sized = any(a == "--size" or a.startswith("--size=") for a in rest)
+        if sized and any(a == "--preset" or a.startswith("--preset=") for a in rest):
+            raise UsageError("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
+        figure = "pull" if sized else "model"
+        old, new = ("weightpull bench --size", "weightpull bench pull --size") if sized else \
+            ("weightpull bench" + (" --preset" if "--preset" in rest else ""), "weightpull bench model")
+        argv = [*argv[:i], "bench", figure, *rest]
+    else:
+        return argv
+    _say(f"warning: `{old}` is deprecated and goes in a later release: write `{new}` "
+         "(docs/benchmarks.md#moving-from-the-old-commands)")
+    return argv
 
 
 def _size(nbytes: int | None) -> str:
@@ -388,6 +437,86 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
     return 0
 
 
+def _bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry",
+                           description="Each figure weightpull publishes about itself, measured beside the machine's own "
+                           "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
+                           "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).")
+    figures = bench.add_subparsers(dest="figure", required=True, metavar="FIGURE")
+
+    pull = figures.add_parser("pull", help="one version of SIZE bytes pulled REPEAT times, against the transport's raw read "
+                              "and the copy limit", description="A publisher, in a process of its own (in this one for "
+                              "fake), publishes one version of SIZE bytes; this process pulls it REPEAT times, each "
+                              "beside the transport's own raw read of the same bytes and the machine's copy limit "
+                              "between the same kinds of memory, measured in the same run (docs/transports.md).")
+    pull.add_argument("--transport", default="fake", help="transport driver (default: fake)")
+    pull.add_argument("--size", default="1G", help="bytes per version: 256M, 1G, ... (default: 1G)")
+    pull.add_argument("--repeat", type=_count(1), default=5, help="timed pulls, after one to warm up (default: 5)")
+    pull.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
+    pull.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
+    pull.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",
+                      help="the puller's mirror: host memory, GPU memory read into directly, or GPU memory "
+                      "through a pinned host shadow (HostStaged) (default: cpu)")
+    pull.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a transport option, e.g. threads=4")
+    pull.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    pull.set_defaults(func=_bench_pull)
+
+    model = figures.add_parser("model", help="a model-shaped set: trainer block, pull, apply pause and publish-to-serving, "
+                               "beside the limits and the push baselines", description="A tensor set shaped like a real "
+                               "model goes from a trainer to a replica over each installed transport (or --transport), "
+                               "VERSIONS times after one per trainer slot to warm up: the trainer's blocking time per "
+                               "publish, the pull bandwidth, the replica's apply pause and the time from publish to "
+                               "serving, beside the copy limits measured in the same run and the pushes a user would "
+                               "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a "
+                               "driver that reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with "
+                               "host slots. Needs torch (docs/benchmarks.md).")
+    model.add_argument("--preset", help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
+                       "(default: 8b with a GPU, else 0.6b)")
+    model.add_argument("--transport", help="one transport driver (default: every one that loads here)")
+    model.add_argument("--versions", type=_count(1), default=3, help="measured versions per transport (after one per "
+                       "trainer slot) and updates per baseline (after one) (default: 3)")
+    model.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
+    model.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    model.set_defaults(func=_bench_model)
+
+    gpu = figures.add_parser("gpu", help="GPU pulls of a Qwen3-8B-shaped set, and the cost of the vLLM apply check",
+                             description="On a CUDA machine: cuda_ipc pulls from a GPU slot in a publisher process "
+                             "into a GPU mirror, per bucket size; a host slot pulled into a GPU mirror through "
+                             "HostStaged, and its copy leg alone; what PullSpec(check_apply=True) adds to an apply; "
+                             "each beside its copy limit, every copy checked against the publisher's fingerprints "
+                             "(docs/gpu.md).")
+    gpu.add_argument("--repeat", type=_count(1), default=5, help="timed rounds, after one to warm up (default: 5)")
+    gpu.add_argument("--bucket-sizes", default="64M,256M", help="comma-separated; the first also serves the host slot "
+                     "(default: 64M,256M)")
+    gpu.add_argument("--json", action="store_true", help="print the results as one JSON line last")
+    gpu.set_defaults(func=_bench_gpu)
+
+    fsdp = figures.add_parser("fsdp", help="how long publishing blocks an FSDP2 trainer (one rank)",
+                              description="One rank of FSDP2 over a model of Qwen3-8B's shapes in fp32 (unless "
+                              "told otherwise): each publish follows a stand-in optimizer step and is timed from the "
+                              "call to its return; the last version is pulled and compared bit for bit. One JSON "
+                              "line per mode on stdout (docs/fsdp.md).")
+    fsdp.add_argument("--mode", default="sharded,gathered", help="comma-separated FSDPPublisher modes (default: sharded,gathered)")
+    fsdp.add_argument("--publishes", type=_count(1), default=5, help="timed publishes per mode, after one (default: 5)")
+    fsdp.add_argument("--device", help="where the model lives (default: cuda where there is one, else cpu)")
+    fsdp.add_argument("--no-verify", dest="verify", action="store_false", help="leave out the bit-for-bit check")
+    for name, default in (("layers", 36), ("hidden", 4096), ("inter", 12288), ("vocab", 151936), ("heads", 32),
+                          ("kv-heads", 8), ("head-dim", 128)):
+        fsdp.add_argument(f"--{name}", type=_count(1), default=default, help=f"the model's shape (default: {default})")
+    fsdp.set_defaults(func=_bench_fsdp)
+
+    registry = figures.add_parser("registry", help="a served registry's lease acquire/release round trips per second "
+                                  "and p99 latency", description="Concurrent clients loop lease acquire+release on "
+                                  "the newest READY version. With --registry (or $WEIGHTPULL_REGISTRY) it only leases "
+                                  "what is there; without, it starts its own server process (docs/registry-service.md).")
+    registry.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
+    registry.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
+    registry.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)")
+    registry.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    registry.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    registry.set_defaults(func=_bench_registry)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="weightpull", description="Move versioned model weights from a trainer to inference replicas, by pull.")
     p.add_argument("--version", action="version", version=f"weightpull {_version()}")
@@ -418,33 +547,9 @@ def parser() -> argparse.ArgumentParser:
     drivers.add_argument("--json", action="store_true", help="print the list as JSON")
     drivers.set_defaults(func=_drivers)
 
-    pull_bench = sub.add_parser("bench", help="trainer block, pull, apply pause and publish-to-serving, beside the limits and baselines",
-                                description="With --preset (the default): a tensor set shaped like a real model goes from a trainer "
-                                "to a replica over each installed transport (or --transport), VERSIONS times after one per trainer slot to warm up: "
-                                "the trainer's blocking time per publish, the pull bandwidth, the replica's apply pause and the time "
-                                "from publish to serving, beside the copy limits measured in the same run and the pushes a user would "
-                                "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a driver that "
-                                "reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with host slots. With --size: one version of "
-                                "SIZE bytes pulled REPEAT times against the transport's raw read and the copy limit. Every copy is "
-                                "checked; exits 1 if one is wrong. GB/s are 10^9 bytes/s. Progress goes to stderr (docs/benchmarks.md).")
-    pull_bench.add_argument("--transport", help="one transport driver (default: every one that loads here; with --size, fake)")
-    pull_bench.add_argument("--preset", help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
-                            "(default: 8b with a GPU, else 0.6b)")
-    pull_bench.add_argument("--versions", type=_count(1), default=3, help="measured versions per transport (after one per trainer slot) and updates per "
-                            "baseline (after one) (default: 3)")
-    pull_bench.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
-    pull_bench.add_argument("--size", help="bytes per version, instead of a preset: 256M, 1G, ...")
-    pull_bench.add_argument("--repeat", type=_count(1), default=5, help="with --size: timed pulls, after one to warm up (default: 5)")
-    pull_bench.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
-    pull_bench.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
-    pull_bench.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",
-                            help="the puller's mirror: host memory, GPU memory read into directly, or GPU memory "
-                            "through a pinned host shadow (HostStaged) (default: cpu)")
-    pull_bench.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a transport option, e.g. threads=4")
-    pull_bench.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
-    pull_bench.set_defaults(func=_bench)
+    _bench_parser(sub)
 
-    registry = sub.add_parser("registry", help="serve the registry over ZeroMQ, or benchmark a served one")
+    registry = sub.add_parser("registry", help="serve the registry over ZeroMQ")
     rsub = registry.add_subparsers(dest="registry_command", required=True)
     serve = rsub.add_parser("serve", help="serve a registry to publishers and replicas in other processes and hosts",
                             description="Serve the registry over ZeroMQ until SIGINT or SIGTERM. Once it listens it "
@@ -462,17 +567,6 @@ def parser() -> argparse.ArgumentParser:
                        "service extra)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics listen on (default: 127.0.0.1)")
     serve.set_defaults(func=_registry_serve)
-
-    bench = rsub.add_parser("bench", help="lease acquire/release round trips per second and p99 latency",
-                            description="Concurrent clients loop lease acquire+release on the newest READY version. "
-                            "With --registry (or $WEIGHTPULL_REGISTRY) it only leases what is there; without, it "
-                            "starts its own server process.")
-    bench.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
-    bench.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
-    bench.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)")
-    bench.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
-    bench.add_argument("--json", action="store_true", help="print the figures as one JSON line")
-    bench.set_defaults(func=_registry_bench)
 
     status = sub.add_parser("status", help="a served registry's versions, live leases and what each replica serves",
                             description="Read a served registry's versions, live leases and the version each "
@@ -525,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     as_json = "--json" in argv  # known before parsing, so a usage error answers in JSON too
     try:
-        args = parser().parse_args(argv)
+        args = parser().parse_args(_old_bench_spelling(argv))
         as_json = bool(getattr(args, "json", False))
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
                             format="%(levelname)s %(name)s: %(message)s")

@@ -61,17 +61,20 @@ FAILURES = [
     (("demo", "--replicas", "two"), 2, "argument --replicas: 'two' is not a whole number"),
     (("demo", "--ttl", "0"), 2, "argument --ttl: must be above 0"),
     (("demo", "--engine", "sglang"), 2, "argument --engine: invalid choice"),
-    (("bench", "--transport", "nope"), 2, "no transport named 'nope'"),
-    (("bench", "--versions", "0"), 2, "argument --versions: must be at least 1, got 0"),
-    (("bench", "--size", "1M", "--repeat", "0"), 2, "argument --repeat: must be at least 1, got 0"),
-    (("bench", "--size", "lots"), 2, "size must be a positive number of bytes like 256M or 1G"),
-    (("bench", "--size", "1M", "--preset", "tiny"), 2, "--preset measures a model-shaped set"),
+    (("bench", "model", "--transport", "nope"), 2, "no transport named 'nope'"),
+    (("bench", "pull", "--transport", "nope"), 2, "no transport named 'nope'"),
+    (("bench", "model", "--versions", "0"), 2, "argument --versions: must be at least 1, got 0"),
+    (("bench", "pull", "--size", "1M", "--repeat", "0"), 2, "argument --repeat: must be at least 1, got 0"),
+    (("bench", "pull", "--size", "lots"), 2, "size must be a positive number of bytes like 256M or 1G"),
+    (("bench", "pull", "--preset", "tiny"), 2, "unrecognized arguments: --preset tiny"),
+    (("bench", "nope"), 2, "argument FIGURE: invalid choice: 'nope'"),
+    (("bench", "fsdp", "--publishes", "0"), 2, "argument --publishes: must be at least 1, got 0"),
     (("registry", "serve", "--bind", "tcp://127.0.0.1"), 2, "'tcp://127.0.0.1' needs a host and a port"),
     (("registry", "serve", "--bind", "127.0.0.1:5603"), 2, "'127.0.0.1:5603' has no scheme: write tcp://127.0.0.1:5603"),
     (("registry", "serve", "--bind", "udp://127.0.0.1:5603"), 2, "is not an endpoint to listen on"),
     (("registry", "serve", "--secret-file", "/nonexistent/secret"), 2, "cannot read the secret file"),
-    (("registry", "bench", "--clients", "0"), 2, "argument --clients: must be at least 1, got 0"),
-    (("registry", "bench", "--seconds", "0"), 2, "argument --seconds: must be above 0"),
+    (("bench", "registry", "--clients", "0"), 2, "argument --clients: must be at least 1, got 0"),
+    (("bench", "registry", "--seconds", "0"), 2, "argument --seconds: must be above 0"),
     (("registry",), 2, "the following arguments are required: registry_command"),
     (("status", "--timeout", "-1"), 2, "argument --timeout: must be above 0"),
     (("status", "--watch", "0"), 2, "argument --watch: must be above 0"),
@@ -90,7 +93,8 @@ def test_a_wrong_command_line_is_one_error_line_and_exit_2(args, status, says):
     assert proc.stdout == "" or "--json" in args
 
 
-@pytest.mark.parametrize("args", [("demo", "--size-mib", "0"), ("status", "--watch", "--json"), ("bench", "--transport", "nope")])
+@pytest.mark.parametrize("args", [("demo", "--size-mib", "0"), ("status", "--watch", "--json"),
+                                  ("bench", "model", "--transport", "nope")])
 def test_with_json_the_error_is_also_a_json_object_on_stdout(args):
     proc = run(*args, "--json")
     line = one_error_line(proc)
@@ -106,7 +110,7 @@ def test_the_registry_without_a_secret_refuses_a_public_address():
 
 
 @pytest.mark.skipif(not UNAVAILABLE, reason="every driver loads here")
-@pytest.mark.parametrize("command", [("demo",), ("bench", "--size", "1M")])
+@pytest.mark.parametrize("command", [("demo",), ("bench", "pull", "--size", "1M")])
 def test_a_driver_that_cannot_load_names_why_and_what_to_do(command):
     proc = run(*command, "--transport", UNAVAILABLE[0])
     assert proc.returncode == 1
@@ -181,7 +185,7 @@ def test_a_closed_stdout_ends_quietly():
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["live table", "plain blocks"])
 def test_status_watch_reads_again_until_ctrl_c(terminal):
-    from weightpull.drivers.zmq_registry.bench import publish_one
+    from weightpull.integrations.bench.registry import publish_one
 
     with Served() as served:
         # rich draws live only on a terminal; these tell it the pipe is one. Else: a block per read.
@@ -222,9 +226,10 @@ def test_the_fake_transport_across_processes_says_it_works_in_one_process_only()
 # (module made unimportable, arguments, what the error line must say)
 MISSING = [
     ("torch", ("demo", "--transport", "fake"), "weightpull demo needs torch: pip install 'weightpull[torch]'"),
-    ("torch", ("bench", "--preset", "tiny"), "the bench needs the torch extra: pip install 'weightpull[torch]'"),
+    ("torch", ("bench", "model", "--preset", "tiny"), "weightpull bench model needs the torch extra: pip install 'weightpull[torch]'"),
+    ("torch", ("bench", "gpu"), "weightpull bench gpu needs the torch extra: pip install 'weightpull[torch]'"),
     ("zmq", ("registry", "serve"), "serving the registry needs the service extra: pip install 'weightpull[service]'"),
-    ("zmq", ("registry", "bench"), "the registry bench needs the service extra: pip install 'weightpull[service]'"),
+    ("zmq", ("bench", "registry"), "weightpull bench registry needs the service extra: pip install 'weightpull[service]'"),
     ("zmq", ("status",), "status needs the service extra: pip install 'weightpull[service]'"),
     ("rich", ("status", "--watch"), "status --watch needs the service extra: pip install 'weightpull[service]'"),
 ]
@@ -241,7 +246,7 @@ def test_a_missing_extra_is_named_with_its_pip_command(module, args, says):
 
 def test_registry_bench_against_a_registry_with_nothing_to_lease():
     with Served() as served:
-        proc = run("registry", "bench", "--registry", served.address, "--seconds", "0.2", "--json")
+        proc = run("bench", "registry", "--registry", served.address, "--seconds", "0.2", "--json")
     assert proc.returncode == 1
     assert f"the registry at {served.address} has none: publish one first" in one_error_line(proc)
     assert json.loads(proc.stdout)["error"]["type"] == "NoReadyVersionError"

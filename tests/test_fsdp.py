@@ -139,13 +139,25 @@ def test_checkpoint_names_leave_wrappers_out():
     assert hf_name("lm_head.weight") == "lm_head.weight"
 
 
+SMALL = ["--layers", "2", "--hidden", "64", "--inter", "96", "--vocab", "301", "--heads", "4",
+         "--kv-heads", "2", "--head-dim", "16", "--device", "cpu"]
+
+
 def test_the_blocking_time_bench_runs_small_on_cpu():
     """The H200 figure of docs/fsdp.md comes from this bench at Qwen3-8B's shapes."""
-    small = ["--layers", "2", "--hidden", "64", "--inter", "96", "--vocab", "301", "--heads", "4",
-             "--kv-heads", "2", "--head-dim", "16", "--publishes", "2", "--device", "cpu"]
-    run = subprocess.run([sys.executable, "-m", "weightpull.integrations.fsdp_bench", *small], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "weightpull", "bench", "fsdp", *SMALL, "--publishes", "2"], cwd=ROOT,
                          env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["mode"] for r in lines] == ["sharded", "gathered"]
     assert all(r["bit_exact"] and r["tensors"] == 2 * 11 + 3 and len(r["blocking_ms"]) == 2 for r in lines)
+
+
+def test_the_blocking_time_bench_old_module_path_still_runs_and_warns():
+    run = subprocess.run([sys.executable, "-m", "weightpull.integrations.fsdp_bench", *SMALL, "--publishes", "1",
+                          "--mode", "sharded"], cwd=ROOT, env=env(MASTER_PORT=str(free_port())), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "`python -m weightpull.integrations.fsdp_bench` is deprecated" in run.stderr
+    (line,) = [json.loads(line) for line in run.stdout.splitlines()]
+    assert line["mode"] == "sharded" and line["bit_exact"] is True

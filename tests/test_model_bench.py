@@ -1,4 +1,4 @@
-"""`weightpull bench --preset tiny`: the fields, their types, and ratios that agree with the
+"""`weightpull bench model --preset tiny`: the fields, their types, and ratios that agree with the
 figures they come from. Never a timed assertion: the machine's speed is not under test."""
 
 import json
@@ -14,8 +14,12 @@ from weightpull.integrations.bench.presets import PRESETS  # noqa: E402
 FIGURES = ("publish_block_ms", "pull_gbps", "raw_gbps", "apply_pause_ms", "publish_to_serving_ms", "limit_gbps")
 
 
+def weightpull(*args):
+    return subprocess.run([sys.executable, "-m", "weightpull", *args], capture_output=True, text=True, timeout=300)
+
+
 def bench(*args):
-    return subprocess.run([sys.executable, "-m", "weightpull", "bench", *args], capture_output=True, text=True, timeout=300)
+    return weightpull("bench", "model", *args)
 
 
 def positive(x):
@@ -65,7 +69,18 @@ def test_tiny_preset_json_against_limits_and_baselines():
 
 
 def test_preset_and_size_exclude_each_other():
-    proc = bench("--preset", "tiny", "--size", "1M")
+    proc = weightpull("bench", "--preset", "tiny", "--size", "1M")  # the old spelling, which had both
     assert proc.returncode == 2 and "pass one" in proc.stderr  # usage errors
+    proc = bench("--preset", "tiny", "--size", "1M")
+    assert proc.returncode == 2 and "unrecognized arguments: --size" in proc.stderr
     proc = bench("--preset", "huge", "--no-baselines")
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
+
+
+def test_the_old_spelling_still_runs_and_warns():
+    """`weightpull bench --preset` is `weightpull bench model --preset` for a release, with a warning."""
+    proc = weightpull("bench", "--preset", "tiny", "--transport", "fake", "--versions", "1", "--no-baselines", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: `weightpull bench --preset` is deprecated" in proc.stderr and "`weightpull bench model`" in proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["preset"] == "tiny" and r["byte_exact"] is True and r["baselines"] == []

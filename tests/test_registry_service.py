@@ -363,8 +363,15 @@ async def test_a_restart_between_begin_and_commit_loses_nothing(server):
 def test_status_needs_an_address_and_bench_prints_its_figures():
     shown = cli("status")
     assert shown.returncode == 1 and "pass --registry ADDRESS or set $WEIGHTPULL_REGISTRY" in shown.stderr
-    bench = cli("registry", "bench", "--clients", "8", "--seconds", "0.5", "--json")
+    bench = cli("bench", "registry", "--clients", "8", "--seconds", "0.5", "--json")
     assert bench.returncode == 0, bench.stderr
     figures = json.loads(bench.stdout)
     assert figures["clients"] == 8 and figures["round_trips"] > 0
     assert figures["round_trips_per_s"] > 0 and 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
+
+
+def test_registry_bench_the_old_spelling_still_runs_and_warns():
+    bench = cli("registry", "bench", "--clients", "2", "--seconds", "0.2", "--json")
+    assert bench.returncode == 0, bench.stderr
+    assert "warning: `weightpull registry bench` is deprecated" in bench.stderr and "`weightpull bench registry`" in bench.stderr
+    assert json.loads(bench.stdout)["clients"] == 2

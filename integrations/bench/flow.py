@@ -11,9 +11,6 @@ registered once) and is left out of the medians.
 
 from __future__ import annotations
 
-import multiprocessing
-import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,16 +19,18 @@ import anyio
 import attrs
 import torch
 
-from weightpull.bench import _to_device_seconds  # a staged mirror's copy leg, as `--size` times it
 from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.manifest import Manifest
 from weightpull.puller import Puller
 from weightpull.registry import InProcessRegistry
 from weightpull.transports import create_transport, transport_class
 
+from .child import Child
 from .presets import PRESETS
+from .pull import to_device_seconds  # a staged mirror's copy leg, as `bench pull` times it
+from .raw import RawRead
+from .util import IN_PROCESS, PinnedFake, gbps, median_ms
 
-IN_PROCESS = frozenset({"fake"})  # drivers whose peers share one process
 STEP = 1e-3  # the stand-in optimizer step: every parameter moves
 SLOTS = 2  # the trainer's; the first version on each registers it, so it warms up
 
@@ -75,17 +74,11 @@ def sums(tensors: dict[str, torch.Tensor]) -> list[int]:
     return torch.stack([t.view(torch.int16).sum(dtype=torch.int64) for t in tensors.values()]).tolist()
 
 
-def median_ms(seconds: list[float]) -> float:
-    return round(statistics.median(seconds) * 1e3, 2)
-
-
 # -- the trainer ------------------------------------------------------------------------------
 
 
 def _trainer_transport(setup: Setup) -> Any:
     if setup.transport == "fake" and setup.cuda:  # host slots page-locked, as a real driver's
-        from weightpull.integrations.fsdp_bench import PinnedFake
-
         return PinnedFake()
     return create_transport(setup.transport, **setup.options)
 
@@ -114,90 +107,27 @@ def _train(conn: Any, setup: Setup) -> None:
     anyio.run(transport.aclose)
 
 
-def trainer_main(conn: Any, setup: dict[str, Any]) -> None:
-    try:
-        _train(conn, Setup(**setup))
-    except BaseException as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise
+def _trainer_main(conn: Any, setup: dict[str, Any]) -> None:
+    _train(conn, Setup(**setup))
 
 
 class Trainer:
     """The trainer, in a process of its own (or a thread, for in-process drivers)."""
 
     def __init__(self, setup: Setup) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        args = (child, attrs.asdict(setup))
-        if setup.transport in IN_PROCESS:
-            self.worker: Any = threading.Thread(target=trainer_main, args=args, daemon=True)
-            self.worker.start()
-        else:
-            self.worker = ctx.Process(target=trainer_main, args=args, daemon=True)
-            self.worker.start()
-            child.close()  # so that a trainer that dies reads as EOF here, not as a hang
-        self._expect("ready")
-
-    def _expect(self, what: str, timeout: float = 600.0) -> tuple[Any, ...]:
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"the trainer sent nothing for {timeout:.0f} s (waiting for {what!r})")
-        try:
-            status, *rest = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the trainer died (waiting for {what!r})") from None
-        if status != what:
-            raise RuntimeError(f"the trainer failed: {rest[0]}")
-        return tuple(rest)
+        self.child = Child("the trainer", _trainer_main, attrs.asdict(setup), thread=setup.transport in IN_PROCESS)
+        self.child.expect("ready")
 
     def publish(self, version: int) -> tuple[Any, ...]:
-        self.conn.send(("publish", version))
-        return self._expect("published")
+        return self.child.ask(("publish", version), "published")
 
     def stop(self) -> list[int] | None:
         """Stop it; the sums of the last version it published, if it was still well."""
-        want = None
-        try:
-            self.conn.send(("stop",))
-            want = self._expect("stopped")[0]
-        except (OSError, RuntimeError):
-            pass
-        self.worker.join(120)
-        if isinstance(self.worker, multiprocessing.process.BaseProcess) and self.worker.is_alive():
-            self.worker.kill()
-        return want
+        stopped = self.child.stop("stopped", timeout=120)
+        return stopped[0] if stopped else None
 
 
 # -- the replica ------------------------------------------------------------------------------
-
-
-class RawRead:
-    """The same bytes without weightpull: the driver's own raw reader if it has one, else
-    one read of the whole slot through the driver (no lease, no buckets)."""
-
-    def __init__(self, setup: Setup, transport: Any) -> None:
-        self.cls, self.transport, self.setup = transport_class(setup.transport), transport, setup
-        self._readers: dict[bytes, Any] = {}
-        self.name = f"{setup.transport}'s own read" if hasattr(self.cls, "raw_reader") else "one whole-slot read"
-
-    async def seconds(self, manifest: Manifest, region: Any) -> float:
-        source = manifest.source
-        if hasattr(self.cls, "raw_reader"):  # the host leg alone, where the mirror is staged
-            if source not in self._readers:
-                self._readers[source] = self.cls.raw_reader(source, device="cpu", pinned=self.setup.cuda)
-                await anyio.to_thread.run_sync(self._readers[source].read)  # warm: its buffer's first touch
-            return await anyio.to_thread.run_sync(self._readers[source].read)
-        if source not in self._readers:
-            self._readers[source] = self.transport.connect(source)
-        started = time.perf_counter()
-        await self.transport.read(self._readers[source], 0, region, 0, manifest.nbytes)
-        return time.perf_counter() - started
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            if hasattr(self.cls, "raw_reader"):
-                reader.close()
-            else:
-                self.transport.disconnect(reader)
 
 
 def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], device: str) -> None:
@@ -216,7 +146,7 @@ async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[st
     registry = InProcessRegistry()  # the manifests as a served registry would hand them over
     transport = create_transport(setup.transport, **setup.options)
     puller = Puller(registry, transport, device=setup.device, ttl=60.0)
-    raw = RawRead(setup, puller.transport)
+    raw = RawRead(setup.transport, puller.transport, pinned=setup.cuda)
     weights = {n: torch.empty(s, dtype=torch.bfloat16, device=setup.device) for n, s in PRESETS[setup.preset].shapes()}
     rows: list[dict[str, float]] = []
     try:
@@ -242,7 +172,7 @@ async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[st
             raw_s = await raw.seconds(manifest, pulled.region)  # after serving: off the clock
             rows[-1]["raw_s"] = raw_s
             tick(f"{name} v{version}")
-        h2d = [await _to_device_seconds(puller.transport, pulled) for _ in range(3)] if hasattr(puller.transport, "to_device") else []
+        h2d = [await to_device_seconds(puller.transport, pulled) for _ in range(3)] if hasattr(puller.transport, "to_device") else []
     finally:
         raw.close()
         await puller.aclose()
@@ -263,10 +193,10 @@ async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[st
         "mirror": setup.device if not hasattr(puller.transport, "to_device") else f"{setup.device} (staged)",
         "publisher_process": setup.transport not in IN_PROCESS,
         "publish_block_ms": median_ms(col("block_s")),
-        "pull_gbps": round(nbytes / statistics.median(col("pull_s")) / 1e9, 3),
-        "raw_gbps": round(nbytes / statistics.median(col("raw_s")) / 1e9, 3),
+        "pull_gbps": gbps(nbytes, col("pull_s")),
+        "raw_gbps": gbps(nbytes, col("raw_s")),
         "raw": raw.name,
-        "to_device_gbps": round(nbytes / statistics.median(h2d) / 1e9, 3) if h2d else None,
+        "to_device_gbps": gbps(nbytes, h2d) if h2d else None,
         "apply_pause_ms": median_ms(col("apply_s")),
         "publish_to_serving_ms": median_ms(col("serving_s")),
         "announce_ms": median_ms(col("announce_s")),

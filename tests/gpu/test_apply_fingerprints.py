@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from weightpull.integrations.gpu_bench import bench_apply_check, make_tensors
+from weightpull.integrations.bench.gpu import bench_apply_check, make_tensors
 from weightpull.integrations.torch_tensors import fingerprints
 
 SHAPES = [("model.embed_tokens.weight", (1000, 256)), ("model.layers.0.self_attn.qkv_proj.weight", (768, 256)),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weightpull import InProcessRegistry, Publisher, create_transport
-from weightpull.integrations.gpu_bench import make_tensors
+from weightpull.integrations.bench.gpu import make_tensors
 from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights
 
 from ..conftest import settle

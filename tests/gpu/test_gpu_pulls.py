@@ -22,7 +22,7 @@ from weightpull import (
     create_transport,
 )
 from weightpull.drivers.cuda_ipc import cuda, mappings
-from weightpull.integrations.gpu_bench import PublisherProcess, checksums, make_tensors, mirror_checksums
+from weightpull.integrations.bench.gpu import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
 
 from weightpull.drivers.testing.conformance import ProcessPeer

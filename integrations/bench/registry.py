@@ -1,4 +1,4 @@
-"""`weightpull registry bench`: lease acquire/release round trips against a served registry.
+"""`weightpull bench registry`: lease acquire/release round trips against a served registry.
 
 Each client has its own `ZmqRegistry` (its own sockets) and loops acquire+release on the
 newest READY version for the measured time. Against `--registry ADDRESS` the bench only
@@ -20,12 +20,12 @@ from collections.abc import Iterator
 import anyio
 import attrs
 
+from weightpull.drivers.zmq_registry.client import ZmqRegistry
+from weightpull.drivers.zmq_registry.wire import SECRET_ENV
 from weightpull.errors import NoReadyVersionError, RegistryError
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.manifest import Manifest
 
-from .client import ZmqRegistry
-from .wire import SECRET_ENV
 
 @attrs.frozen
 class BenchResult:

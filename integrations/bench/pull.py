@@ -1,10 +1,10 @@
-"""`weightpull bench`: pull bandwidth against limits measured in the same run.
+"""`weightpull bench pull`: pull bandwidth against limits measured in the same run.
 
 A publisher publishes one version of `size` bytes; a puller pulls it `repeat` times. Each
-round also times the transport's own raw read of the same bytes without weightpull (a
-driver offers one as `raw_reader`; for `fake`, raw is a memcpy), interleaved with the
-pulls so that drift hits both alike. The limit is an in-process memcpy, or, when a GPU is
-involved, that machine's copy between the same two kinds of memory.
+round also times the transport's own raw read of the same bytes without weightpull (`raw`:
+nixl's own reader; for `fake`, raw is a memcpy of the slot), interleaved with the pulls so
+that drift hits both alike. The limit is an in-process memcpy, or, when a GPU is involved,
+that machine's copy between the same two kinds of memory (`limits`).
 
 The publisher runs in a process of its own, as it does in deployment, except for drivers
 that live in one process (`fake`). Every pulled copy is checked byte for byte against a
@@ -13,15 +13,8 @@ digest of the bytes meant to be published, made apart from weightpull.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import mmap
-import multiprocessing
 import os
-import platform
-import re
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,45 +22,21 @@ from typing import Any
 import anyio
 import attrs
 
-from .errors import InvalidArgumentError
-from .layout import DEFAULT_BUCKET_BYTES
-from .manifest import Manifest
-from .publisher import Publisher
-from .puller import Pulled, Puller
-from .registry import InProcessRegistry
-from .tensors import HostTensor
-from .transports import create_transport, transport_class
+from weightpull.errors import InvalidArgumentError
+from weightpull.layout import DEFAULT_BUCKET_BYTES
+from weightpull.manifest import Manifest
+from weightpull.publisher import Publisher
+from weightpull.puller import Pulled, Puller
+from weightpull.registry import InProcessRegistry
+from weightpull.tensors import HostTensor
+from weightpull.transports import create_transport, transport_class
 
-IN_PROCESS_DRIVERS = frozenset({"fake"})  # drivers whose peers share one process
+from . import limits
+from .child import Child
+from .raw import own_reader
+from .util import IN_PROCESS, gbps, machine
+
 TENSOR_BYTES = 16 << 20  # the synthetic model's largest tensor: four to a default bucket
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'1G', '256M', '512MiB', '4096' -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m or int(m.group(1)) <= 0:
-        raise InvalidArgumentError(f"size must be a positive number of bytes like 256M or 1G, got {text!r}")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def _options(pairs: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InvalidArgumentError(f"transport options are KEY=VALUE, got {pair!r}")
-        out[key] = _scalar(value)
-    return out
-
-
-def _scalar(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 @attrs.frozen
@@ -128,12 +97,12 @@ async def _publish(cfg: BenchConfig) -> tuple[Publisher, Manifest, str]:
     return publisher, result.manifest, digest(data)
 
 
+def _serve(conn: Any, cfg: dict[str, Any]) -> None:
+    anyio.run(_serve_publisher, conn, BenchConfig(**cfg))
+
+
 async def _serve_publisher(conn: Any, cfg: BenchConfig) -> None:
-    try:
-        publisher, manifest, want = await _publish(cfg)
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
+    publisher, manifest, want = await _publish(cfg)
     conn.send(("ready", manifest.to_dict(), want))
     async with anyio.create_task_group() as tg:
         tg.start_soon(publisher.serve)  # the owner's progress, which some reads need
@@ -143,97 +112,19 @@ async def _serve_publisher(conn: Any, cfg: BenchConfig) -> None:
     await publisher.transport.aclose()
 
 
-def publisher_process(conn: Any, cfg: dict[str, Any]) -> None:
-    anyio.run(_serve_publisher, conn, BenchConfig(**cfg))
+class PublisherProcess:
+    """The bench's publisher in a process of its own: one version of `cfg.size` bytes."""
 
-
-class _PublisherProcess:
     def __init__(self, cfg: BenchConfig) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=publisher_process, args=(child, attrs.asdict(cfg)), daemon=True)
-        self.process.start()
-        child.close()
+        self.child = Child("the publisher process", _serve, attrs.asdict(cfg))
 
     def ready(self) -> tuple[Manifest, str]:
-        try:
-            status, *rest = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the publisher process died (exit code {self.process.exitcode})") from None
-        if status != "ready":
-            raise RuntimeError(f"the publisher process failed: {rest[0]}")
-        return Manifest.from_dict(rest[0]), rest[1]
+        """The version's manifest, and the digest of the bytes meant to be published."""
+        manifest, want = self.child.expect("ready")
+        return Manifest.from_dict(manifest), want
 
     def stop(self) -> None:
-        try:
-            self.conn.send("stop")
-        except OSError:
-            pass
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-
-
-# -- limits and raw reads ---------------------------------------------------------------------
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
-
-
-class _Memcpy:
-    """A plain in-process memcpy of `src` into a buffer of our own."""
-
-    def __init__(self, src: memoryview) -> None:
-        self.src, self.dst = src, mmap.mmap(-1, len(src))
-        self.dst_view = memoryview(self.dst)
-
-    def read(self) -> float:
-        start = time.perf_counter()
-        ctypes.memmove(_address(self.dst_view), _address(self.src), len(self.src))
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self.dst_view.release()
-
-
-def _memcpy_seconds(cfg: BenchConfig) -> list[float]:
-    src = memoryview(mmap.mmap(-1, cfg.size))
-    ctypes.memset(_address(src), 1, cfg.size)  # untouched pages all map one zero page: too fast
-    memcpy = _Memcpy(src)
-    try:
-        return _best_of(memcpy.read, cfg.repeat)
-    finally:
-        memcpy.close()
-
-
-def _device_copy_seconds(cfg: BenchConfig) -> tuple[str, list[float]]:
-    """The machine's own copy between the kinds of memory this pull joins."""
-    import torch
-
-    def empty(where: str) -> Any:
-        return torch.empty(cfg.size, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu",
-                           pin_memory=where != "cuda")
-
-    dst_kind = "cpu" if cfg.mirror == "cpu" else "cuda"  # staged ends on the GPU too
-    src, dst = empty(cfg.slot), empty(dst_kind)
-    names = {"cpu": "pinned host", "cuda": "GPU"}
-    what = f"{names[cfg.slot]}->{names[dst_kind]} copy"
-
-    def copy() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    return what, _best_of(copy, cfg.repeat)
-
-
-def _best_of(fn: Callable[[], float], repeat: int) -> list[float]:
-    fn()  # warm: page faults, first-touch, CUDA's lazy start
-    return [fn() for _ in range(repeat)]
+        self.child.stop(timeout=30)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -245,7 +136,7 @@ def _mirror_digest(pulled: Pulled, nbytes: int) -> str:
     return digest(pulled.region.memory[:nbytes].cpu().numpy().tobytes())
 
 
-async def _to_device_seconds(staged: Any, pulled: Pulled) -> float:
+async def to_device_seconds(staged: Any, pulled: Pulled) -> float:
     """HostStaged's copy leg alone: every bucket from the pinned shadow to the GPU."""
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -254,23 +145,21 @@ async def _to_device_seconds(staged: Any, pulled: Pulled) -> float:
     return time.perf_counter() - start
 
 
-def _gbps(nbytes: int, seconds: list[float]) -> float:
-    return round(nbytes / statistics.median(seconds) / 1e9, 3)
-
-
 async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     cfg.check()
-    cls = transport_class(cfg.transport)  # fails early, naming the missing extra
+    transport_class(cfg.transport)  # fails early, naming the missing extra
     gpu = cfg.slot != "cpu" or cfg.mirror != "cpu"
-    in_process = cfg.transport in IN_PROCESS_DRIVERS
+    in_process = cfg.transport in IN_PROCESS
     if in_process and gpu:
         raise InvalidArgumentError(f"the {cfg.transport} transport holds host memory only")
 
     say(f"measuring the limits for {cfg.size / 2**20:.0f} MiB")
-    memcpy_s = await anyio.to_thread.run_sync(_memcpy_seconds, cfg)
+    memcpy_s = await anyio.to_thread.run_sync(limits.memcpy_seconds, cfg.size, cfg.repeat)
     limit_name, limit_s = "in-process memcpy", memcpy_s
     if gpu:
-        limit_name, limit_s = await anyio.to_thread.run_sync(_device_copy_seconds, cfg)
+        dst = "cpu" if cfg.mirror == "cpu" else "cuda"  # staged ends on the GPU too
+        limit_name, limit_s = await anyio.to_thread.run_sync(limits.device_copy_seconds, cfg.size, cfg.slot, dst,
+                                                             cfg.repeat)
 
     say(f"publishing {cfg.size / 2**20:.0f} MiB over {cfg.transport} "
         f"({'in this process' if in_process else 'from a publisher process'}; slot on {cfg.slot})")
@@ -279,16 +168,16 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
         publisher, manifest, want = await _publish(cfg)
         slot_region = publisher.slots[manifest.slot].region
         assert slot_region is not None
-        raw: Any = _Memcpy(slot_region.host_view())
+        raw: Any = limits.Memcpy(slot_region.host_view())
         raw_name = "memcpy of the slot"
     else:
-        publisher_proc = _PublisherProcess(cfg)
+        publisher_proc = PublisherProcess(cfg)
         manifest, want = await anyio.to_thread.run_sync(publisher_proc.ready)
         raw, raw_name = None, "none offered by the driver"
     try:
-        if not in_process and hasattr(cls, "raw_reader"):  # staged: the host-to-host leg alone
-            raw = cls.raw_reader(manifest.source, device="cuda" if cfg.mirror == "cuda" else "cpu",
-                                 pinned=cfg.mirror == "staged")
+        own = None if in_process else own_reader(cfg.transport)
+        if own is not None:  # staged: the host-to-host leg alone
+            raw = own(manifest.source, device="cuda" if cfg.mirror == "cuda" else "cpu", pinned=cfg.mirror == "staged")
             raw_name = f"{cfg.transport}'s own read"
         registry = InProcessRegistry()  # the manifest as a served registry would hand it over
         await registry.begin(1, publisher=manifest.publisher, slot=manifest.slot)
@@ -315,7 +204,7 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
             say(f"round {i + 1}/{cfg.repeat}: pull {cfg.size / pull_s[-1] / 1e9:.2f} GB/s"
                 + (f", raw {cfg.size / raw_s[-1] / 1e9:.2f} GB/s" if raw_s else ""))
         exact = await anyio.to_thread.run_sync(_mirror_digest, pulled, cfg.size) == want
-        h2d_s = [await _to_device_seconds(transport, pulled) for _ in range(cfg.repeat)] if cfg.mirror == "staged" else []
+        h2d_s = [await to_device_seconds(transport, pulled) for _ in range(cfg.repeat)] if cfg.mirror == "staged" else []
         await puller.aclose()
         await transport.aclose()
         if raw:
@@ -327,9 +216,9 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
             await publisher.aclose()
             await publisher.transport.aclose()
 
-    pull_gbps = _gbps(cfg.size, pull_s)
-    raw_gbps = _gbps(cfg.size, raw_s) if raw_s else None
-    limit_gbps = _gbps(cfg.size, limit_s)
+    pull_gbps = gbps(cfg.size, pull_s)
+    raw_gbps = gbps(cfg.size, raw_s) if raw_s else None
+    limit_gbps = gbps(cfg.size, limit_s)
     return {
         "transport": cfg.transport,
         "size_bytes": cfg.size,
@@ -345,14 +234,14 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
         "raw": raw_name,
         "limit_gbps": limit_gbps,
         "limit": limit_name,
-        "memcpy_gbps": _gbps(cfg.size, memcpy_s),
-        "to_device_gbps": _gbps(cfg.size, h2d_s) if h2d_s else None,
+        "memcpy_gbps": gbps(cfg.size, memcpy_s),
+        "to_device_gbps": gbps(cfg.size, h2d_s) if h2d_s else None,
         "ratio_to_raw": round(pull_gbps / raw_gbps, 3) if raw_gbps else None,
         "ratio_to_limit": round(pull_gbps / limit_gbps, 3),
         "pull_s": [round(s, 5) for s in pull_s],
         "raw_s": [round(s, 5) for s in raw_s],
         "byte_exact": exact,
-        "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}, Python {sys.version.split()[0]}",
+        "machine": machine(),
     }
 
 
