@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -69,6 +69,23 @@ class _Slot:
 
     def move(self, event: SlotEvent) -> None:
         self.state = transition("slot", self.state, event, f"{self.index}")
+
+
+def _oldest_first(slot: tuple[SlotState, int | None]) -> tuple[bool, int]:
+    return slot[1] is not None, slot[1] or 0
+
+
+def choose_slot(slots: Sequence[tuple[SlotState, int | None]], kept: Collection[int] = ()) -> int | None:
+    """Which slot to write next, given each slot's (state, version): an empty one first,
+    else the one holding the oldest version the registry does not keep (`kept`: those
+    with a live lease, and the newest READY), which reclaiming it frees. None when every
+    slot is being written or holds a kept version.
+
+    The registry alone judges leases, on its own clock, and its reclaim both judges and
+    frees: so the publisher learns which versions are kept from the refusals of
+    reclaims, and asks again for the next slot after each."""
+    free = [i for i, (state, version) in enumerate(slots) if state is not SlotState.WRITING and version not in kept]
+    return min(free, key=lambda i: _oldest_first(slots[i]), default=None)
 
 
 class Publisher:
@@ -277,17 +294,15 @@ class Publisher:
     async def _take_slot(self, version: int) -> _Slot | None:
         deadline = self.clock.now() + self.wait_timeout
         while True:
-            busy = []
-            for slot in sorted(self.slots, key=lambda s: (s.version is not None, s.version or 0)):
-                if slot.state is SlotState.WRITING:
-                    busy.append(f"slot {slot.index}: being written")
-                    continue
+            kept: dict[int, str] = {}  # version -> why the registry keeps it (its reclaim's refusal)
+            while (index := choose_slot([(s.state, s.version) for s in self.slots], kept)) is not None:
+                slot = self.slots[index]
                 if slot.version is None:
                     return slot
                 try:
                     await self.registry.reclaim(slot.version)
                 except VersionInUseError as exc:
-                    busy.append(f"slot {slot.index}: {exc}")
+                    kept[slot.version] = str(exc)
                     continue
                 except VersionNotFoundError:
                     pass  # the registry no longer knows it: no lease on it can be valid
@@ -295,7 +310,10 @@ class Publisher:
                     slot.move(SlotEvent.RECLAIM)
                 slot.version = None
                 return slot
-            detail = "; ".join(busy)
+            detail = "; ".join(
+                f"slot {s.index}: " + ("being written" if s.state is SlotState.WRITING or s.version is None else kept[s.version])
+                for s in sorted(self.slots, key=lambda s: _oldest_first((s.state, s.version)))
+            )
             if self.when_full is WhenFull.SKIP:
                 log.info("skipping v%s: no free slot (%s)", version, detail)
                 return None
