@@ -4,6 +4,7 @@ keeps its JSON form, and every wrong value is refused, typed, naming the class a
 import json
 import re
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -234,10 +235,10 @@ def test_wire_forms_refuse_wrong_values_as_malformed_messages():
             schema.structure({**body, key: wrong}, wire.RequestBody, MalformedMessageError)
     begin = wire.Request("r", "begin", {"version": 1, "publisher": "p", "slot": 0}, "e")
     wire.check_args(begin)
-    wire.check_args(attrs_evolve(begin, {**begin.args, "shard": [0, 2]}))
+    wire.check_args(attrs.evolve(begin, args={**begin.args, "shard": [0, 2]}))
     for shard in [None, [2, 2], [0, True], [0], "0,2"]:  # optional: absent, never null
         with pytest.raises(MalformedMessageError, match=r"BeginArgs.shard(\[1\])? must be"):
-            wire.check_args(attrs_evolve(begin, {**begin.args, "shard": shard}))
+            wire.check_args(attrs.evolve(begin, args={**begin.args, "shard": shard}))
     reply = {"wp": 1, "type": "reply", "id": None, "re": None, "nonce": "n" * 16, "ts": 1.0, "epoch": "e", "ok": False,
              "result": None, "error": {"type": "X", "message": "m", "more": 1}}
     with pytest.raises(MalformedMessageError, match=r"ReplyBody.error has unexpected keys \['more'\]"):
@@ -245,9 +246,3 @@ def test_wire_forms_refuse_wrong_values_as_malformed_messages():
     raw = json.dumps({**reply, "error": None}).encode()
     with pytest.raises(MalformedMessageError, match="must name its error"):
         wire.decode_reply(b"k", [wire.mac(b"k", raw) + raw])
-
-
-def attrs_evolve(request, args):
-    import attrs
-
-    return attrs.evolve(request, args=args)
