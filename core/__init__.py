@@ -2,7 +2,7 @@
 
 The trainer publishes a version into a slot it registered once; each replica leases the
 newest version, reads it one-sidedly into its own mirror and keeps it only if the lease
-held throughout. `import weightpull` loads the core alone (anyio and attrs): no torch,
+held throughout. `import weightpull` loads the core alone (anyio, attrs and cattrs): no torch,
 no transport library, no vLLM.
 """
 
