@@ -58,7 +58,6 @@ class Registry(Protocol):
     async def status(self) -> RegistryStatus: ...
 
 
-
 class InProcessRegistry:
     """The registry inside one process: the default, and what a served one wraps. Each
     operation is one call on its `machine`; only `wait_for_version` awaits."""
