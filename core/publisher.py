@@ -35,7 +35,7 @@ from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, TensorSpec, pla
 from .manifest import Manifest, bucket_digest
 from .registry import Registry
 from .sharding import Rows, Shard, Sharding
-from .states import SlotEvent, SlotState, transition
+from .states import SLOT, SlotEvent, SlotState
 from .tensors import TensorAdapter, adapter_for, normalize_dtype
 from .transport import Region, Transport
 
@@ -68,7 +68,7 @@ class _Slot:
     version: int | None = None  # committed version it holds, or aborted one to reclaim
 
     def move(self, event: SlotEvent) -> None:
-        self.state = transition("slot", self.state, event, f"{self.index}")
+        self.state = SLOT.fire(self.state, event, f"{self.index}")
 
 
 def _oldest_first(slot: tuple[SlotState, int | None]) -> tuple[bool, int]:

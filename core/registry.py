@@ -72,10 +72,6 @@ class InProcessRegistry:
     def max_ttl(self) -> float:
         return self.machine.max_ttl
 
-    @property
-    def _versions(self) -> Any:  # the machine's records, for tests that age a lease by hand
-        return self.machine._versions
-
     async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
         self.machine.begin(version, publisher=publisher, slot=slot, shard=shard)
 

@@ -86,7 +86,7 @@ async def test_a_lost_lease_cancels_the_reads_at_once(world):
     async def lose_lease():
         await world.clock.sleep(1)
         (lease,) = (await world.registry.status()).leases
-        world.registry._versions[1].leases[lease.id].expires_at = world.clock.now()
+        world.registry.machine._versions[1].leases[lease.id].expires_at = world.clock.now()  # aged by hand
 
     async with autojump(world.clock):
         async with anyio.create_task_group() as tg:

@@ -231,4 +231,4 @@ async def test_ended_leases_are_pruned(reg):
     await publish(reg, 1)
     for _ in range(600):
         await reg.release(await reg.acquire(ttl=1, holder="r"))
-    assert len(reg._versions[1].leases) <= 257
+    assert len(reg.machine._versions[1].leases) <= 257
