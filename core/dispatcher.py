@@ -21,8 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import attrs
 
-from .errors import InvalidArgumentError
-from .puller import _first_error as first_error  # the real failure inside a task group
+from .errors import InvalidArgumentError, first_error
 from .staleness import Trajectory
 
 

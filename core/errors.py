@@ -7,6 +7,27 @@ Catch `WeightpullError` for all of them. Errors about bad arguments also derive 
 from __future__ import annotations
 
 
+def first_error(exc: BaseException) -> BaseException:
+    """The first real failure inside (nested) exception groups: a task group's error to
+    name, not a cancellation it caused."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, _cancelled())]
+        exc = (inner or list(exc.exceptions))[0]
+    return exc
+
+
+def _cancelled() -> tuple[type[BaseException], ...]:
+    """What cancellation raises: asyncio's, and the running async library's if any."""
+    import asyncio
+
+    import anyio
+
+    try:
+        return (asyncio.CancelledError, anyio.get_cancelled_exc_class())
+    except Exception:  # called outside an event loop (the CLI): anyio knows no library
+        return (asyncio.CancelledError,)
+
+
 class WeightpullError(Exception):
     """Base of every error raised by weightpull."""
 

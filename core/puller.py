@@ -32,6 +32,7 @@ from .errors import (
     RegionNotRegisteredError,
     TornReadError,
     WeightpullError,
+    first_error,
 )
 from .layout import Layout
 from .manifest import Manifest, bucket_digest
@@ -85,14 +86,6 @@ def _mirror_transport(transport: Transport, device: str, staging: bool | None) -
     if reason:
         raise DriverUnavailableError(f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}")
     return staged(transport)
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    """The first real failure inside (nested) exception groups."""
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
-        exc = (inner or list(exc.exceptions))[0]
-    return exc
 
 
 class Puller:
@@ -282,7 +275,7 @@ class Puller:
                     if self.stall_timeout is not None:
                         tg.start_soon(watchdog, self.stall_timeout)
         except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+            raise first_error(group) from None
         if stalled and not lost:
             total = sum(read[3] for read in reads)
             raise NoProgressError(
