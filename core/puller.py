@@ -10,7 +10,6 @@ may be torn, and it is rejected.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -19,10 +18,10 @@ from collections.abc import Callable
 import anyio
 import attrs
 
+from . import transports
 from .clock import Clock, MonotonicClock
 from .errors import (
     DigestMismatchError,
-    DriverUnavailableError,
     InvalidArgumentError,
     InvalidTransitionError,
     LeaseExpiredError,
@@ -71,23 +70,6 @@ class Pulled:
         return self.region.host_view()[p.offset : p.end]
 
 
-def _mirror_transport(transport: Transport, device: str, staging: bool | None) -> Transport:
-    """What a mirror on `device` reads through: `transport`, or for a GPU mirror of a
-    driver whose reads land in host memory, `HostStaged(transport)`: each read lands in a
-    pinned host shadow and is copied to the GPU while the next one is read. Imported only
-    then: it needs torch, which the core does not."""
-    if device == "cpu" or not (staging if staging is not None else not transport.reads_into_gpu):
-        return transport
-    try:
-        staged = importlib.import_module("weightpull.integrations.torch_staging").HostStaged
-    except ImportError as exc:
-        raise DriverUnavailableError(f"a mirror on {device} needs torch: pip install 'weightpull[torch]' ({exc})") from exc
-    reason = staged.unavailable_reason()
-    if reason:
-        raise DriverUnavailableError(f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}")
-    return staged(transport)
-
-
 class Puller:
     def __init__(
         self,
@@ -119,7 +101,7 @@ class Puller:
         if stall_timeout is not None and not stall_timeout > 0:
             raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self.registry = registry
-        self.transport = _mirror_transport(transport, device, staging)
+        self.transport = transports.for_device(transport, device, staging)
         self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
         self.ttl = ttl
         self.renew_every = renew_every or ttl / 3

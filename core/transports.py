@@ -44,6 +44,10 @@ BUILTIN: dict[str, DriverEntry] = {
     "cuda_ipc": DriverEntry("cuda_ipc", "weightpull.drivers.cuda_ipc:CudaIpcTransport", extra="torch"),
 }
 
+# What feeds a GPU mirror from a driver whose reads land in host memory: each read into a
+# pinned host shadow, copied to the GPU while the next is read. It needs torch.
+HOST_STAGING = DriverEntry("host staging", "weightpull.integrations.torch_staging:HostStaged", extra="torch")
+
 _registered: dict[str, DriverEntry] = {}
 
 
@@ -109,3 +113,20 @@ def list_transports() -> list[DriverInfo]:
             reason = str(exc)
         infos.append(DriverInfo(name, entry.origin, target, entry.extra, reason is None, reason))
     return infos
+
+
+def for_device(transport: Transport, device: str, staging: bool | None = None) -> Transport:
+    """What a mirror on `device` reads through: `transport`, or for a GPU mirror of a driver
+    whose reads land in host memory (or with `staging=True`), `transport` wrapped in
+    `HOST_STAGING`, which the driver registry loads like a driver (so the core imports no
+    integration)."""
+    if device == "cpu" or not (staging if staging is not None else not transport.reads_into_gpu):
+        return transport
+    try:
+        staged = _load(HOST_STAGING)
+    except DriverUnavailableError as exc:
+        raise DriverUnavailableError(f"a mirror on {device} needs torch: {exc}") from exc
+    reason = staged.unavailable_reason()
+    if reason:
+        raise DriverUnavailableError(f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}")
+    return staged(transport)  # type: ignore[call-arg]  # a wrapper: it takes the transport it wraps
