@@ -12,12 +12,12 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
 
-bench() {  # LABEL [VAR=VALUE...] -- BENCH ARGS...   ($LIMIT: seconds before it is stopped)
+bench() {  # LABEL [VAR=VALUE...] -- `bench pull` ARGS...   ($LIMIT: seconds before it is stopped)
     local label=$1 envs=() ; shift
     [[ $label =~ ${ONLY:-.} ]] || return 0  # ONLY=REGEX runs the labels it matches
     while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-    echo "=== $label: ${envs[*]} weightpull bench --json $*"
-    env "${envs[@]}" timeout "${LIMIT:-150}" python3 -m weightpull bench --json "$@" >"$OUT/run.out" 2>"$OUT/run.err"
+    echo "=== $label: ${envs[*]} weightpull bench pull --json $*"
+    env "${envs[@]}" timeout "${LIMIT:-150}" python3 -m weightpull bench pull --json "$@" >"$OUT/run.out" 2>"$OUT/run.err"
     echo "exit $?"
     grep -E "^\[bench\] round|GB/s|byte-exact|rror" "$OUT/run.err" | grep -v "^\[bench\] measuring" | tail -12
     # UCX_PROTO_INFO's tables: the protocol each get (one-sided read) got

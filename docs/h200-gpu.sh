@@ -16,6 +16,6 @@ WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host timeout "${TEST_LIMIT:-200}" python3 -
     tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py 2>&1 | tail -40
 echo "tests exit ${PIPESTATUS[0]}"
 
-echo "=== bench: python3 -m weightpull.integrations.gpu_bench --json ${BENCH_ARGS:-}"
-timeout "${BENCH_LIMIT:-240}" python3 -m weightpull.integrations.gpu_bench --json ${BENCH_ARGS:-} >"$OUT/gpu-bench.json"
+echo "=== bench: python3 -m weightpull bench gpu --json ${BENCH_ARGS:-}"
+timeout "${BENCH_LIMIT:-240}" python3 -m weightpull bench gpu --json ${BENCH_ARGS:-} >"$OUT/gpu-bench.json"
 echo "bench exit $?"
