@@ -211,11 +211,8 @@ def _registry_serve(args: argparse.Namespace) -> int:
 
 # -- weightpull bench FIGURE: each figure's module in weightpull.integrations.bench --------------
 
-BENCHES = ("pull", "model", "gpu", "fsdp", "registry")
-
-
 def _bench_module(name: str, extra: str) -> Any:
-    """The bench's module, imported only now: the core imports no integration."""
+    """A bench's module, imported only when that bench runs: the core imports no integration."""
     try:
         return importlib.import_module(f"weightpull.integrations.bench.{name}")
     except ImportError as exc:
@@ -307,12 +304,15 @@ def _old_bench_spelling(argv: list[str]) -> list[str]:
         old, new = "weightpull registry bench", "weightpull bench registry"
         argv = [*argv[:i], "bench", "registry", *rest[1:]]
     elif command == ["bench"] and (not rest or rest[0].startswith("-")) and rest not in (["-h"], ["--help"]):
-        sized = any(a == "--size" or a.startswith("--size=") for a in rest)
-        if sized and any(a == "--preset" or a.startswith("--preset=") for a in rest):
+
+        def has(flag: str) -> bool:
+            return any(a == flag or a.startswith(f"{flag}=") for a in rest)
+
+        if has("--size") and has("--preset"):
             raise UsageError("--preset measures a model-shaped set; --size a single stream of bytes: pass one")
-        figure = "pull" if sized else "model"
-        old, new = ("weightpull bench --size", "weightpull bench pull --size") if sized else \
-            ("weightpull bench" + (" --preset" if "--preset" in rest else ""), "weightpull bench model")
+        figure = "pull" if has("--size") else "model"
+        old = "weightpull bench" + (" --size" if has("--size") else " --preset" if has("--preset") else "")
+        new = f"weightpull bench {figure}" + (" --size" if has("--size") else "")
         argv = [*argv[:i], "bench", figure, *rest]
     else:
         return argv
@@ -441,7 +441,10 @@ def _bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry",
                            description="Each figure weightpull publishes about itself, measured beside the machine's own "
                            "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
-                           "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).")
+                           "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
+                           epilog="The spellings of earlier releases still run for one more release, with a warning: "
+                           "`bench [--preset ...]` (now bench model), `bench --size ...` (bench pull), `registry bench` "
+                           "(bench registry).")
     figures = bench.add_subparsers(dest="figure", required=True, metavar="FIGURE")
 
     pull = figures.add_parser("pull", help="one version of SIZE bytes pulled REPEAT times, against the transport's raw read "

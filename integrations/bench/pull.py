@@ -175,7 +175,7 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
         manifest, want = await anyio.to_thread.run_sync(publisher_proc.ready)
         raw, raw_name = None, "none offered by the driver"
     try:
-        own = None if in_process else own_reader(cfg.transport)
+        own = own_reader(cfg.transport)  # (none for an in-process driver)
         if own is not None:  # staged: the host-to-host leg alone
             raw = own(manifest.source, device="cuda" if cfg.mirror == "cuda" else "cpu", pinned=cfg.mirror == "staged")
             raw_name = f"{cfg.transport}'s own read"
