@@ -22,7 +22,13 @@ TORCH_STAMP := $(TORCH_VENV)/.installed
 TORCH_MIN_FREE_GB := 9
 TORCH_SETUP_COST := $(TORCH_VENV): ~3 GB of wheels (torch 2.15, whose only build on the index is CUDA's, its nvidia-* libraries, and nixl), a ~5.3-5.9 GB venv, ~2 min
 
-.PHONY: setup setup-torch demo test test-plan fuzz-long docs clean
+# The editable install is a link tree (build/__editable__.*): `weightpull`, `.drivers` and
+# `.integrations` as the import path lays them out, so static tools (import-linter, mypy,
+# IDEs) resolve them, which the package-dir mapping alone hides. A new module is linked by
+# the next `make setup`; `make test` relinks first (a few seconds).
+LINK_TREE := --config-settings editable_mode=strict
+
+.PHONY: setup setup-torch links demo test test-plan fuzz-long docs clean
 
 setup: $(STAMP)
 
@@ -34,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "setup [1/3] creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "setup [2/3] installing weightpull[$(EXTRAS)] and $(TORCH); pip shows each package"
-	$(BIN)/python -m pip install --disable-pip-version-check -e '.[$(EXTRAS)]' '$(TORCH)'
+	$(BIN)/python -m pip install --disable-pip-version-check -e '.[$(EXTRAS)]' '$(TORCH)' $(LINK_TREE)
 	@echo "setup [3/3] removing what cannot load beside the +cpu torch: $(NOT_BESIDE_CPU_TORCH)"
 	$(BIN)/python -m pip uninstall -y -q --disable-pip-version-check $(NOT_BESIDE_CPU_TORCH)
 	touch $(STAMP)
@@ -57,7 +63,10 @@ $(TORCH_STAMP): pyproject.toml
 demo: setup
 	$(BIN)/weightpull demo
 
-test: test-plan setup setup-torch
+links: setup
+	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e . $(LINK_TREE)
+
+test: test-plan setup setup-torch links
 	$(BIN)/python -m pytest -q
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
 
@@ -77,4 +86,4 @@ docs: setup
 	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/states.md
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TORCH_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,3 +1,6 @@
-from .cli import main
+"""`python -m weightpull`: the command line (`weightpull.integrations.cli`, an application of
+the core, loaded by name so that the core imports no integration)."""
 
-raise SystemExit(main())
+import importlib
+
+raise SystemExit(importlib.import_module("weightpull.integrations.cli").main())

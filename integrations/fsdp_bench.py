@@ -10,7 +10,7 @@ from weightpull.integrations.bench.util import PinnedFake  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
-    from weightpull.cli import main as cli
+    from weightpull.integrations.cli import main as cli
 
     return cli(["bench", "fsdp", *(sys.argv[1:] if argv is None else argv)])
 

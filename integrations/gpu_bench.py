@@ -19,7 +19,7 @@ from weightpull.integrations.bench.gpu import (  # noqa: F401  (the names this p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from weightpull.cli import main as cli
+    from weightpull.integrations.cli import main as cli
 
     return cli(["bench", "gpu", *(sys.argv[1:] if argv is None else argv)])
 

@@ -99,6 +99,6 @@ def test_the_old_module_paths_warn(module, figure):
 
 
 def test_the_core_imports_no_bench():
-    code = "import sys, weightpull, weightpull.cli; print(sorted(m for m in sys.modules if 'bench' in m))"
+    code = "import sys, weightpull, weightpull.integrations.cli; print(sorted(m for m in sys.modules if 'bench' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
     assert out.strip() == "[]"

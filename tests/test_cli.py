@@ -112,7 +112,7 @@ def test_progress_writes_each_line_whole():
     """The demo's processes share one stderr pipe. Unbuffered (PYTHONUNBUFFERED, as on CI),
     print() writes a line and its newline in two writes, between which another process's
     line could land: the cause of a flaky Ctrl-C test, whose replica pids ran together."""
-    from weightpull.demo import Progress
+    from weightpull.integrations.demo import Progress
 
     writes = []
 

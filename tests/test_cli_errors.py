@@ -237,7 +237,7 @@ MISSING = [
 
 @pytest.mark.parametrize(("module", "args", "says"), MISSING, ids=[f"{m}: {' '.join(a)}" for m, a, _ in MISSING])
 def test_a_missing_extra_is_named_with_its_pip_command(module, args, says):
-    code = (f"import sys; sys.modules[{module!r}] = None; from weightpull.cli import main; "
+    code = (f"import sys; sys.modules[{module!r}] = None; from weightpull.integrations.cli import main; "
             f"sys.exit(main({list(args)!r}))")  # None in sys.modules: `import` fails as if not installed
     proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

@@ -24,7 +24,7 @@ import anyio
 import attrs
 
 from weightpull.agent import PauseMode
-from weightpull.demo import Progress
+from weightpull.integrations.demo import Progress
 from weightpull.dispatcher import Dispatcher, Prompt
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError
 from weightpull.publisher import Publisher

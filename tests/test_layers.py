@@ -1,0 +1,28 @@
+"""The layers hold: the core imports no driver or integration, drivers import no
+integration (import-linter's contracts in pyproject.toml, run as the test run's gate),
+and the contract names every module of the core."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_linter_contracts_are_kept():
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert lint, "import-linter is in the dev extra: make setup"
+    run = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "2 kept, 0 broken" in run.stdout
+
+
+def test_the_core_contract_names_every_module_of_the_core():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (core,) = [c for c in config["contracts"] if c["name"].startswith("the core")]
+    modules = {"weightpull" if p.stem == "__init__" else f"weightpull.{p.stem}" for p in (ROOT / "core").glob("*.py")}
+    assert set(core["source_modules"]) == modules
