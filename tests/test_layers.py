@@ -26,3 +26,21 @@ def test_the_core_contract_names_every_module_of_the_core():
     (core,) = [c for c in config["contracts"] if c["name"].startswith("the core")]
     modules = {"weightpull" if p.stem == "__init__" else f"weightpull.{p.stem}" for p in (ROOT / "core").glob("*.py")}
     assert set(core["source_modules"]) == modules
+
+
+def test_the_cli_and_the_demo_keep_their_old_names_for_a_release():
+    import warnings
+
+    import pytest
+
+    from weightpull.integrations import cli, demo
+
+    with pytest.warns(DeprecationWarning, match="weightpull.integrations.cli"):
+        from weightpull.cli import main
+    assert main is cli.main
+    with pytest.warns(DeprecationWarning, match="weightpull.integrations.demo"):
+        from weightpull.demo import Progress
+    assert Progress is demo.Progress
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names do not warn
+        from weightpull.integrations.cli import main as new_main  # noqa: F401
