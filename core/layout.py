@@ -38,12 +38,12 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 DEFAULT_ALIGN = 256  # keeps every tensor aligned for any dtype and for GPU copies
 
 
-def _check_name(_: Any, attribute: attrs.Attribute, value: str) -> None:
+def _check_name(_: Any, attribute: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise InvalidArgumentError(f"tensor name must be a non-empty string, got {value!r}")
 
 
-def _check_dtype(instance: Any, _: attrs.Attribute, value: str) -> None:
+def _check_dtype(instance: Any, _: attrs.Attribute[str], value: str) -> None:
     if value not in DTYPE_SIZES:
         raise InvalidArgumentError(
             f"tensor {instance.name!r}: unsupported dtype {value!r} "
@@ -128,7 +128,7 @@ class Layout:
         return tuple(p.spec for p in self.placements)
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, Layout)
+        return schema.as_object(self, Layout)
 
     @classmethod
     def from_dict(cls, data: Any) -> Layout:
@@ -148,7 +148,7 @@ class _LayoutForm:
 
 def _unstructure_layout(layout: Layout) -> dict[str, Any]:
     tensors = tuple((s.name, s.dtype, s.shape) for s in layout.specs)
-    return schema.unstructure(_LayoutForm(tensors, layout.bucket_bytes, layout.align, layout.signature))
+    return schema.as_object(_LayoutForm(tensors, layout.bucket_bytes, layout.align, layout.signature), _LayoutForm)
 
 
 def _structure_layout(data: Any, _: type) -> Layout:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -19,7 +20,15 @@ def bucket_digest(data: memoryview | bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def _check_version(_: Any, __: attrs.Attribute, value: int) -> None:
+def _strings(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(items)
+
+
+def _shards(items: Iterable[Shard]) -> tuple[Shard, ...]:
+    return tuple(items)
+
+
+def _check_version(_: Any, __: attrs.Attribute[int], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgumentError(f"version must be a non-negative int, got {value!r}")
 
@@ -34,12 +43,10 @@ class Manifest:
     source: bytes  # the slot's descriptor, as the driver serialised it
     slot: int
     publisher: str
-    digests: tuple[str, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple)
-    )
+    digests: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(_strings))
     # A sharded version: `layout` is the full one, each shard holds rows of it, and
     # source/slot/publisher repeat shards[0]'s. A shard's commit carries its own alone.
-    shards: tuple[Shard, ...] = attrs.field(default=(), converter=tuple)
+    shards: tuple[Shard, ...] = attrs.field(default=(), converter=_shards)
 
     def __attrs_post_init__(self) -> None:
         if self.digests is not None and len(self.digests) != len(self.layout.buckets):
@@ -71,7 +78,7 @@ class Manifest:
         return self.layout.total_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, Manifest)
+        return schema.as_object(self, Manifest)
 
     @classmethod
     def from_dict(cls, data: Any) -> Manifest:

@@ -236,7 +236,7 @@ class Publisher:
             return PublishResult(version, True, None, None, self.clock.now() - started)
         slot.move(SlotEvent.FILL)
         try:
-            self._fit(slot, packed.total_bytes)
+            region = self._fit(slot, packed.total_bytes)
             await self.registry.begin(version, publisher=self.name, slot=slot.index, **tag)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
@@ -245,9 +245,9 @@ class Publisher:
             raise
         self.last_version = version
         try:
-            await adapter.write([(v, packed[n]) for n, v in items], slot.region)
+            await adapter.write([(v, packed[n]) for n, v in items], region)
             await adapter.fence()
-            digests = await self._digests(slot.region, layout) if self.digests else None
+            digests = await self._digests(region, layout) if self.digests else None
             parts = () if shard is None else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
             manifest = Manifest(version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts)
             await self.registry.commit(manifest)
@@ -282,14 +282,15 @@ class Publisher:
             self._plans = (what, plan)
         return self._plans[1]
 
-    def _fit(self, slot: _Slot, nbytes: int) -> None:
-        """Register the slot's memory once; again only if the model outgrew it."""
+    def _fit(self, slot: _Slot, nbytes: int) -> Region:
+        """The slot's memory, registered once; again only if the model outgrew it."""
         if slot.region is not None and slot.region.nbytes >= nbytes:
-            return
+            return slot.region
         if slot.region is not None:
             self.transport.deregister(slot.region)
         slot.region = self.transport.allocate(nbytes, self.device)
         slot.descriptor = self.transport.export(slot.region)
+        return slot.region
 
     async def _take_slot(self, version: int) -> _Slot | None:
         deadline = self.clock.now() + self.wait_timeout

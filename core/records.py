@@ -26,7 +26,7 @@ class Lease:
     expires_at: float
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, Lease)
+        return schema.as_object(self, Lease)
 
     @classmethod
     def from_dict(cls, data: Any) -> Lease:
@@ -45,7 +45,7 @@ class VersionInfo:
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, VersionInfo)
+        return schema.as_object(self, VersionInfo)
 
     @classmethod
     def from_dict(cls, data: Any) -> VersionInfo:
@@ -60,7 +60,7 @@ class LeaseInfo:
     expires_in: float
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, LeaseInfo)
+        return schema.as_object(self, LeaseInfo)
 
     @classmethod
     def from_dict(cls, data: Any) -> LeaseInfo:
@@ -75,7 +75,7 @@ class RegistryStatus:
     serving: Mapping[str, int]
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, RegistryStatus)
+        return schema.as_object(self, RegistryStatus)
 
     @classmethod
     def from_dict(cls, data: Any) -> RegistryStatus:

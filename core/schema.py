@@ -26,6 +26,7 @@ import attrs
 import cattrs
 from cattrs.cols import homogenous_tuple_structure_factory, is_mapping, list_structure_factory
 from cattrs.errors import (
+    AttributeValidationNote,
     BaseValidationError,
     ClassValidationError,
     ForbiddenExtraKeysError,
@@ -125,7 +126,7 @@ def _sequence(t: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
             return tuple(out)
     else:
         factory = homogenous_tuple_structure_factory if get_origin(t) is tuple else list_structure_factory
-        items = factory(t, conv)
+        items = factory(t, conv)  # type: ignore[assignment]  # cattrs' factories are untyped hooks
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, (list, tuple)):
@@ -137,7 +138,7 @@ def _sequence(t: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
 
 def _record(cls: type, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
     """An attrs class from a JSON object only, its keys checked by the generated hook."""
-    structure = make_dict_structure_fn(cls, conv)
+    structure: Callable[[Any, Any], Any] = make_dict_structure_fn(cls, conv)
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
@@ -172,7 +173,7 @@ converter.register_structure_hook_factory(attrs.has, _record)
 
 def refined(name: str, base: type[T], want: str, test: Callable[[T], bool]) -> Any:
     """A `NewType` of `base` whose values must also pass `test`: "an int in [0, 2**63)"."""
-    new = NewType(name, base)  # type: ignore[misc]
+    new = NewType(name, base)  # type: ignore[misc, valid-type]  # a NewType made at run time
 
     def hook(value: Any, _: Any) -> T:
         try:
@@ -191,10 +192,10 @@ def refined(name: str, base: type[T], want: str, test: Callable[[T], bool]) -> A
 
 
 def _problems(exc: BaseException, path: str) -> Iterator[str]:
-    if isinstance(exc, BaseValidationError):
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
-            step = f".{note.name}" if isinstance(exc, ClassValidationError) else f"[{note.index!r}]"
+            step = f".{note.name}" if isinstance(note, AttributeValidationNote) else f"[{note.index!r}]"
             yield from _problems(sub, path + step)
         for sub in without:
             yield from _problems(sub, path)
@@ -233,3 +234,10 @@ def structure(data: Any, cls: type[T], error: type[InvalidArgumentError] = Inval
 def unstructure(obj: Any, cls: type | None = None) -> Any:
     """`obj` as JSON values: what `structure` takes back."""
     return converter.unstructure(obj, cls)
+
+
+def as_object(obj: Any, cls: type) -> dict[str, Any]:
+    """A record as a JSON object (`unstructure` of an attrs class)."""
+    out = converter.unstructure(obj, cls)
+    assert isinstance(out, dict)
+    return out

@@ -103,7 +103,7 @@ class Shard:
                 yield mine.offset, full.offset + start * row_bytes(full.spec), mine.spec.nbytes
 
     def to_dict(self) -> dict[str, Any]:
-        return schema.unstructure(self, Shard)
+        return schema.as_object(self, Shard)
 
     @classmethod
     def from_dict(cls, data: Any) -> Shard:

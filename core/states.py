@@ -149,7 +149,8 @@ VERSION_TRANSITIONS, LEASE_TRANSITIONS, SLOT_TRANSITIONS = VERSION.table, LEASE.
 
 def transition(machine: str, state: enum.Enum, event: enum.Enum, subject: str = "") -> enum.Enum:
     """`fire` on the machine called `machine`, untyped; prefer `VERSION.fire` and its kin."""
-    return _BY_NAME[machine].fire(state, event, subject)
+    fired: enum.Enum = _BY_NAME[machine].fire(state, event, subject)
+    return fired
 
 
 def mermaid(machine: str) -> str:

@@ -87,7 +87,8 @@ def adapter_for(value: Any) -> TensorAdapter:
         return HostTensorAdapter()
     if type(value).__module__.split(".")[0] == "torch":
         module = importlib.import_module("weightpull.integrations.torch_tensors")
-        return module.TorchAdapter()
+        adapter: TensorAdapter = module.TorchAdapter()
+        return adapter
     raise InvalidArgumentError(
         f"cannot publish a {type(value).__module__}.{type(value).__name__}: pass torch "
         "tensors or weightpull.HostTensor"
