@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
 
@@ -24,6 +24,7 @@ from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
 __all__ = [
     "DEFAULT_MAX_TTL",
     "REGISTRY_ENV",
+    "AsyncResource",
     "InProcessRegistry",
     "Lease",
     "LeaseInfo",
@@ -39,8 +40,21 @@ _SERVED = "weightpull.drivers.zmq_registry.client:ZmqRegistry"
 
 
 @runtime_checkable
-class Registry(Protocol):
-    """What publishers and pullers need from a registry, embedded or served."""
+class AsyncResource(Protocol):
+    """An async context manager whose exit is `aclose()`: what it started (a served
+    client's heartbeat) runs no longer than the `async with` block. Closing twice is
+    harmless."""
+
+    async def aclose(self) -> None: ...
+    async def __aenter__(self) -> Self: ...
+    async def __aexit__(self, *exc_info: object) -> bool | None: ...
+
+
+@runtime_checkable
+class Registry(AsyncResource, Protocol):
+    """What publishers and pullers need from a registry, embedded or served. Its
+    operations are below; its lifecycle (`aclose`, `async with`) is `AsyncResource`'s,
+    as it is no operation: nothing of it crosses the wire."""
 
     async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None: ...
     async def commit(self, manifest: Manifest) -> None: ...
@@ -129,6 +143,17 @@ class InProcessRegistry:
         assert manifest is not None
         return manifest
 
+    async def aclose(self) -> None:
+        """Nothing to release: it owns no task, and its waiters are their callers' own
+        (closing wakes none). It keeps working afterwards, as a served client does:
+        others (a server, other holders) may still rely on its versions and leases."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     def _announced(self) -> None:
         """Wake every waiter, whoever drove the machine to announce."""
         if self._committed is not None:
@@ -139,7 +164,10 @@ class InProcessRegistry:
 def connect_registry(address: str | None = None, **options: Any) -> Registry:
     """The registry served at `address` (else at `$WEIGHTPULL_REGISTRY`), or, with
     neither, a new in-process one. `options` go to the served registry's client (secret,
-    timeout, ...). The client loads lazily: it needs pyzmq, the `service` extra."""
+    timeout, ...). The client loads lazily: it needs pyzmq, the `service` extra.
+
+    Use it as it comes (`aclose()` when done) or as `async with connect_registry(...) as
+    registry:`, which also keeps a served client's heartbeat inside the block."""
     address = address or os.environ.get(REGISTRY_ENV) or None
     if address is None:
         return InProcessRegistry()
