@@ -15,6 +15,10 @@ replica serves), then resends the call. Leases are not replayed: the new run kno
 so a read under one fails its final check as torn and the puller retries. A client that
 publishes sends a heartbeat, so the replay happens within about a second of a restart
 even while the trainer is between publishes.
+
+Lifecycle: `async with ZmqRegistry(...)` (or `connect_registry(address)`) runs the
+heartbeat in a task group of the block, so it ends with the block. Used without `async
+with`, the heartbeat is a task of the event loop that `aclose` or the loop's end stops.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import zmq
@@ -98,7 +102,9 @@ class ZmqRegistry:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: list[zmq.asyncio.Socket] = []
         self._adopting: anyio.Lock | None = None
-        self._beat: asyncio.Task | None = None
+        self._tasks: anyio.abc.TaskGroup | None = None  # inside `async with`: runs the heartbeat
+        self._beat: anyio.CancelScope | None = None  # the running heartbeat's, to stop it
+        self._loose: asyncio.Task[None] | None = None  # a heartbeat outside `async with` (the loop holds tasks weakly)
 
     def __repr__(self) -> str:
         return f"ZmqRegistry({self.address!r}, run={self.epoch})"
@@ -202,11 +208,39 @@ class ZmqRegistry:
 
     async def aclose(self) -> None:
         """Stop the heartbeat and close every socket. The registry's state is the
-        server's: closing a client ends nothing there (leases lapse by their TTL)."""
-        if self._beat is not None:
-            self._beat.cancel()
-            self._beat = None
+        server's: closing a client ends nothing there (leases lapse by their TTL), and a
+        later call connects afresh. Closing twice is harmless."""
         self._reset(None)
+
+    async def __aenter__(self) -> Self:
+        if self._tasks is not None:
+            raise InvalidArgumentError(f"{self!r} is already in use as a context manager")
+        tasks = anyio.create_task_group()
+        await tasks.__aenter__()
+        self._tasks = tasks
+        if self._beat is not None:  # one began before the block: the block owns it from now
+            self._stop_heartbeat()
+            self._start_heartbeat()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Stop the heartbeat, then close. The block's own exception propagates as it
+        is; if the heartbeat failed (it logs the registry's errors, so only on a bug),
+        its error does; if both did, a group of the two."""
+        tasks, self._tasks = self._tasks, None
+        assert tasks is not None
+        tasks.cancel_scope.cancel()
+        try:
+            return await tasks.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) > 1:
+                raise
+            if group.exceptions[0] is exc_info[1]:
+                return False  # the block's own exception: let it go on, unwrapped
+            raise group.exceptions[0] from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -282,6 +316,7 @@ class ZmqRegistry:
         for sock in self._idle:
             sock.close(linger=0)
         self._idle.clear()
+        self._stop_heartbeat()  # its sockets are closed; on another loop, it is gone anyway
         self._loop = loop
         self._adopting = anyio.Lock() if loop is not None else None
 
@@ -343,16 +378,34 @@ class ZmqRegistry:
 
     def _start_heartbeat(self) -> None:
         """Publishers ping, so a restarted registry learns their versions without
-        waiting for the next publish. A daemon task of the loop: the Registry
-        interface has no scope to run it in; `aclose` or the loop's end stops it."""
-        if self.heartbeat and (self._beat is None or self._beat.done()):
-            self._beat = asyncio.get_running_loop().create_task(self._heartbeat())
+        waiting for the next publish. Inside `async with` the block's task group runs
+        it; outside, with no scope to run in, a task of the loop that `aclose` or the
+        loop's end stops."""
+        if not self.heartbeat or self._beat is not None:
+            return
+        self._beat = scope = anyio.CancelScope()
+        if self._tasks is not None:
+            self._tasks.start_soon(self._heartbeat, scope)
+        else:
+            self._loose = asyncio.get_running_loop().create_task(self._heartbeat(scope))
 
-    async def _heartbeat(self) -> None:
+    def _stop_heartbeat(self) -> None:
+        """Cancel the heartbeat (harmless if it ended, or its loop did); the next
+        publish starts another."""
+        if self._beat is not None:
+            self._beat.cancel()
+        self._beat = self._loose = None
+
+    async def _heartbeat(self, scope: anyio.CancelScope) -> None:
         assert self.heartbeat
-        while self._committed or self._writing or self._parts:
-            await anyio.sleep(self.heartbeat)
-            try:
-                await self._call("ping")
-            except RegistryError as exc:
-                log.warning("heartbeat to %s failed: %s", self.address, exc)
+        try:
+            with scope:
+                while self._committed or self._writing or self._parts:
+                    await anyio.sleep(self.heartbeat)
+                    try:
+                        await self._call("ping")
+                    except RegistryError as exc:
+                        log.warning("heartbeat to %s failed: %s", self.address, exc)
+        finally:
+            if self._beat is scope:  # ended by itself: the next publish starts another
+                self._stop_heartbeat()
