@@ -14,6 +14,7 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Self
 
 import anyio
 import attrs
@@ -343,7 +344,17 @@ class Puller:
             if remote is not None:
                 self.transport.disconnect(remote)
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):  # the block's cancellation must not leave the mirror registered
+            await self.aclose()
+
     async def aclose(self) -> None:
+        """Disconnect from every slot and deregister the mirror. The registry and the
+        transport are the caller's: they stay open. Closing twice is harmless; a later
+        `pull` registers a mirror afresh."""
         for remote in self._remotes.values():
             self.transport.disconnect(remote)
         self._remotes.clear()

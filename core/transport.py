@@ -11,7 +11,7 @@ import ctypes
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import anyio
 import attrs
@@ -103,16 +103,18 @@ class Transport(ABC):
     async def serve(self) -> None:  # noqa: B027 - optional hook
         """Help peers' reads of this endpoint's memory along, until cancelled. Drivers whose
         reads need the owner's own progress (NIXL's first connection, GPU memory over tcp)
-        loop here; the default has nothing to do and returns at once."""
+        loop here; the default has nothing to do and returns at once. The transport starts
+        no task: its owner runs this one (`async with Publisher(...)` does)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release every registration and connection."""
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        with anyio.CancelScope(shield=True):  # released even when the block was cancelled
+            await self.aclose()
 
 
 class RegionTable:
