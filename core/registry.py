@@ -179,4 +179,5 @@ def connect_registry(address: str | None = None, **options: Any) -> Registry:
             f"the registry at {address} is served over ZeroMQ, which needs pyzmq: "
             f"pip install 'weightpull[service]' ({exc})"
         ) from exc
-    return client(address, **options)
+    registry: Registry = client(address, **options)  # loaded by name, so typed here
+    return registry
