@@ -198,7 +198,9 @@ class UpdateAgent:
             self.stats.pull_failures += 1
             self.stats.torn_reads += isinstance(exc, TornReadError)
             self._failed_pulls += 1
-            log.warning("agent %s: prefetch of v%s failed (%d in a row): %s", self.name, version, self._failed_pulls, exc)
+            log.warning(
+                "agent %s: prefetch of v%s failed (%d in a row): %s", self.name, version, self._failed_pulls, exc
+            )
             if self._failed_pulls >= self.max_pull_attempts:
                 raise
             await self.clock.sleep(self.retry_delay)
@@ -243,7 +245,9 @@ class UpdateAgent:
         """The agent's figures as a flat dict, for a trainer's logger (one call per step).
         Seconds are the last update's; counts are totals since the agent started."""
         stats = self.stats
-        behind = (stats.newest_seen - self.serving) if stats.newest_seen is not None and self.serving is not None else None
+        behind = (
+            (stats.newest_seen - self.serving) if stats.newest_seen is not None and self.serving is not None else None
+        )
         out: dict[str, float | int] = {
             "agent/updates": len(stats.applied),
             "agent/pull_failures": stats.pull_failures,

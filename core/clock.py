@@ -95,9 +95,7 @@ class FakeClock:
         return f"FakeClock(now={self._now})"
 
 
-async def within(
-    clock: Clock, seconds: float | None, fn: Callable[[], Awaitable[T]]
-) -> tuple[bool, T | None]:
+async def within(clock: Clock, seconds: float | None, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
     """Run `fn()` for at most `seconds` on `clock`: (True, result), or (False, None) when
     time ran out first. `None` means no limit."""
     if seconds is None:

@@ -10,6 +10,9 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    warnings.warn("weightpull.demo moved to weightpull.integrations.demo; the old name goes in the next release",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "weightpull.demo moved to weightpull.integrations.demo; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return getattr(importlib.import_module("weightpull.integrations.demo"), name)

@@ -46,8 +46,7 @@ def _check_name(_: Any, attribute: attrs.Attribute[str], value: str) -> None:
 def _check_dtype(instance: Any, _: attrs.Attribute[str], value: str) -> None:
     if value not in DTYPE_SIZES:
         raise InvalidArgumentError(
-            f"tensor {instance.name!r}: unsupported dtype {value!r} "
-            f"(supported: {', '.join(DTYPE_SIZES)})"
+            f"tensor {instance.name!r}: unsupported dtype {value!r} (supported: {', '.join(DTYPE_SIZES)})"
         )
 
 
@@ -153,13 +152,9 @@ def _unstructure_layout(layout: Layout) -> dict[str, Any]:
 
 def _structure_layout(data: Any, _: type) -> Layout:
     form = schema.converter.structure(data, _LayoutForm)
-    layout = plan_layout(
-        [TensorSpec(*t) for t in form.tensors], bucket_bytes=form.bucket_bytes, align=form.align
-    )
+    layout = plan_layout([TensorSpec(*t) for t in form.tensors], bucket_bytes=form.bucket_bytes, align=form.align)
     if layout.signature != form.signature:
-        raise InvalidArgumentError(
-            f"layout signature mismatch: planned {layout.signature}, sent {form.signature}"
-        )
+        raise InvalidArgumentError(f"layout signature mismatch: planned {layout.signature}, sent {form.signature}")
     return layout
 
 

@@ -51,8 +51,7 @@ class Manifest:
     def __attrs_post_init__(self) -> None:
         if self.digests is not None and len(self.digests) != len(self.layout.buckets):
             raise InvalidArgumentError(
-                f"manifest v{self.version}: {len(self.digests)} digests for "
-                f"{len(self.layout.buckets)} buckets"
+                f"manifest v{self.version}: {len(self.digests)} digests for {len(self.layout.buckets)} buckets"
             )
         if self.shards:
             first = self.shards[0]

@@ -248,8 +248,14 @@ class Publisher:
             await adapter.write([(v, packed[n]) for n, v in items], region)
             await adapter.fence()
             digests = await self._digests(region, layout) if self.digests else None
-            parts = () if shard is None else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
-            manifest = Manifest(version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts)
+            parts = (
+                ()
+                if shard is None
+                else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
+            )
+            manifest = Manifest(
+                version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts
+            )
             await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
@@ -312,7 +318,8 @@ class Publisher:
                 slot.version = None
                 return slot
             detail = "; ".join(
-                f"slot {s.index}: " + ("being written" if s.state is SlotState.WRITING or s.version is None else kept[s.version])
+                f"slot {s.index}: "
+                + ("being written" if s.state is SlotState.WRITING or s.version is None else kept[s.version])
                 for s in sorted(self.slots, key=lambda s: _oldest_first((s.state, s.version)))
             )
             if self.when_full is WhenFull.SKIP:

@@ -132,12 +132,13 @@ class RegistryMachine:
         joining = record.shards if record is not None and shard is not None else None  # of a sharded version
         if record is not None and joining is not None:
             if record.state is not VersionState.WRITING:
-                raise VersionStateError(f"version {version} is {record.state} ({record.reason}); shard {index} cannot join it")
+                raise VersionStateError(
+                    f"version {version} is {record.state} ({record.reason}); shard {index} cannot join it"
+                )
             joining.check_join(index, count)
         elif version <= self._highest_begun:
             raise VersionOrderError(
-                f"version {version} must exceed every version begun before "
-                f"(highest so far: {self._highest_begun})"
+                f"version {version} must exceed every version begun before (highest so far: {self._highest_begun})"
             )
         elif record is not None:  # a shard's abort came before any begin
             raise VersionStateError(f"version {version} is {record.state} ({record.reason}) before it began")
@@ -163,7 +164,9 @@ class RegistryMachine:
         at the last one."""
         record = self._record(manifest.version)
         if record.shards is not None:
-            if record.shards.commit(manifest, state=record.state, reason=record.reason, announced=self._highest_announced):
+            if record.shards.commit(
+                manifest, state=record.state, reason=record.reason, announced=self._highest_announced
+            ):
                 try:
                     whole = record.shards.whole()
                 except InvalidArgumentError as exc:  # the shards do not tile the tensors: it can never be read
@@ -180,9 +183,7 @@ class RegistryMachine:
                 f"slot {manifest.slot}; it was begun by {record.publisher!r} slot {record.slot}"
             )
         if manifest.version < self._highest_announced:
-            raise VersionOrderError(
-                f"version {manifest.version} cannot be announced after {self._highest_announced}"
-            )
+            raise VersionOrderError(f"version {manifest.version} cannot be announced after {self._highest_announced}")
         self._announce(record, manifest)
 
     def _announce(self, record: _Version, manifest: Manifest) -> None:
@@ -208,8 +209,15 @@ class RegistryMachine:
         if shard is not None:
             _, count = check_shard(*shard)
             if check_int("version", version) not in self._versions:
-                self._versions[version] = _Version(version, "", 0, self.clock.now(), VersionState.ABORTED,
-                                                   reason=reason, shards=ShardAssembly(version, count))
+                self._versions[version] = _Version(
+                    version,
+                    "",
+                    0,
+                    self.clock.now(),
+                    VersionState.ABORTED,
+                    reason=reason,
+                    shards=ShardAssembly(version, count),
+                )
                 return
         record = self._record(version)
         if record.shards is not None and record.state is VersionState.ABORTED:
@@ -231,7 +239,9 @@ class RegistryMachine:
         gone, which frees their slots too (no lease on it can ever be valid again)."""
         record = self._record(version)
         if record.shards is not None and record.state is VersionState.WRITING:
-            raise VersionInUseError(f"version {version} is WRITING: shards {record.shards.waiting()} have not committed")
+            raise VersionInUseError(
+                f"version {version} is WRITING: shards {record.shards.waiting()} have not committed"
+            )
         live = self._live_leases(record)
         if live:
             holders = ", ".join(sorted({lease.holder for lease in live}))
@@ -268,10 +278,11 @@ class RegistryMachine:
         record = self._record(version)
         if record.state is not VersionState.READY:
             raise VersionStateError(
-                f"version {version} is {record.state} and takes no new leases "
-                f"(newest READY: {self._newest_ready})"
+                f"version {version} is {record.state} and takes no new leases (newest READY: {self._newest_ready})"
             )
-        lease = _Lease(f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl)
+        lease = _Lease(
+            f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl
+        )
         self._prune(record)
         record.leases[lease.id] = lease
         self._lease_index[lease.id] = version
@@ -282,9 +293,7 @@ class RegistryMachine:
         if record is None:
             raise LeaseNotFoundError(f"lease {lease.id} on v{lease.version} is unknown")
         if self._expired(record):
-            raise LeaseExpiredError(
-                f"lease {lease.id} of {record.holder!r} on v{record.version} expired"
-            )
+            raise LeaseExpiredError(f"lease {lease.id} of {record.holder!r} on v{record.version} expired")
         record.state = LEASE.fire(record.state, LeaseEvent.RENEW, f"{lease.id}")
         record.expires_at = self.clock.now() + record.ttl
         return record.public()
@@ -331,9 +340,7 @@ class RegistryMachine:
         try:
             return self._versions[version]
         except KeyError:
-            raise VersionNotFoundError(
-                f"version {version} is unknown (never begun, or reclaimed)"
-            ) from None
+            raise VersionNotFoundError(f"version {version} is unknown (never begun, or reclaimed)") from None
 
     def _move(self, record: _Version, event: VersionEvent) -> None:
         record.state = VERSION.fire(record.state, event, f"v{record.version}")

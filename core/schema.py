@@ -115,7 +115,7 @@ def _sequence(t: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
             if len(value) != len(args):
                 raise Refused(f"must hold {len(args)} items, got {show(value)}")
             out, errors = [], []
-            for i, (hook, v, a) in enumerate(zip(hooks, value, args)):
+            for i, (hook, v, a) in enumerate(zip(hooks, value, args, strict=True)):
                 try:
                     out.append(hook(v, a))
                 except Exception as exc:  # noted with its index, as cattrs notes a list's

@@ -59,7 +59,9 @@ class ShardAssembly:
         `reason` are the version's, `announced` the highest version announced so far."""
         version = manifest.version
         if len(manifest.shards) != 1:
-            raise InvalidArgumentError(f"a shard commits a manifest naming itself alone; v{version}'s names {len(manifest.shards)}")
+            raise InvalidArgumentError(
+                f"a shard commits a manifest naming itself alone; v{version}'s names {len(manifest.shards)}"
+            )
         shard = manifest.shards[0]
         part = self.parts.get(shard.index)
         if shard.count != self.count or part is None or (part.publisher, part.slot) != (shard.publisher, shard.slot):

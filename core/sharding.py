@@ -58,7 +58,10 @@ def chunk_rows(total: int, index: int, count: int) -> Rows:
 
 def shard_layout(layout: Layout, rows: Sequence[Rows]) -> Layout:
     """How a shard packs its rows of `layout`'s tensors into its slot."""
-    specs = [TensorSpec(s.name, s.dtype, (stop - start, *s.shape[1:])) for s, (start, stop) in zip(layout.specs, rows)]
+    specs = [
+        TensorSpec(s.name, s.dtype, (stop - start, *s.shape[1:]))
+        for s, (start, stop) in zip(layout.specs, rows, strict=True)
+    ]
     return plan_layout(specs, bucket_bytes=layout.bucket_bytes, align=layout.align)
 
 
@@ -86,7 +89,7 @@ class Shard:
             raise InvalidArgumentError(
                 f"shard {self.index} names rows of {len(self.rows)} tensors; the layout has {len(layout)}"
             )
-        for spec, (start, stop) in zip(layout.specs, self.rows):
+        for spec, (start, stop) in zip(layout.specs, self.rows, strict=True):
             if not spec.shape:
                 raise InvalidArgumentError(f"tensor {spec.name!r} has no dim 0 to shard")
             if not 0 <= start <= stop <= spec.shape[0]:
@@ -98,7 +101,7 @@ class Shard:
         """(offset in this shard's slot, offset in a full-layout mirror, bytes) of each
         tensor it holds rows of."""
         packed = shard_layout(layout, self.rows)
-        for full, mine, (start, _) in zip(layout.placements, packed.placements, self.rows):
+        for full, mine, (start, _) in zip(layout.placements, packed.placements, self.rows, strict=True):
             if mine.spec.nbytes:
                 yield mine.offset, full.offset + start * row_bytes(full.spec), mine.spec.nbytes
 
@@ -146,7 +149,9 @@ class Sharding:
     def __attrs_post_init__(self) -> None:
         check_shard(self.index, self.count)
 
-    def plan(self, local: Sequence[TensorSpec], *, bucket_bytes: int, align: int) -> tuple[Layout, tuple[Rows, ...], Layout]:
+    def plan(
+        self, local: Sequence[TensorSpec], *, bucket_bytes: int, align: int
+    ) -> tuple[Layout, tuple[Rows, ...], Layout]:
         """(the full layout, the rows held of each tensor, this shard's slot layout)
         for the tensors this shard holds, `local`."""
         names = [s.name for s in local]

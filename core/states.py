@@ -114,26 +114,44 @@ class Machine(Generic[StateT, EventT]):
         return "\n".join(lines)
 
 
-VERSION = Machine("version", VersionState, VersionEvent, V.WRITING, {
-    (V.WRITING, VE.COMMIT): V.READY,
-    (V.WRITING, VE.ABORT): V.ABORTED,
-    (V.READY, VE.RETIRE): V.RETIRED,
-    (V.RETIRED, VE.RECLAIM): V.RECLAIMED,
-    (V.ABORTED, VE.RECLAIM): V.RECLAIMED,
-})
+VERSION = Machine(
+    "version",
+    VersionState,
+    VersionEvent,
+    V.WRITING,
+    {
+        (V.WRITING, VE.COMMIT): V.READY,
+        (V.WRITING, VE.ABORT): V.ABORTED,
+        (V.READY, VE.RETIRE): V.RETIRED,
+        (V.RETIRED, VE.RECLAIM): V.RECLAIMED,
+        (V.ABORTED, VE.RECLAIM): V.RECLAIMED,
+    },
+)
 
-LEASE = Machine("lease", LeaseState, LeaseEvent, L.ACTIVE, {
-    (L.ACTIVE, LE.RENEW): L.ACTIVE,
-    (L.ACTIVE, LE.RELEASE): L.RELEASED,
-    (L.ACTIVE, LE.EXPIRE): L.EXPIRED,
-})
+LEASE = Machine(
+    "lease",
+    LeaseState,
+    LeaseEvent,
+    L.ACTIVE,
+    {
+        (L.ACTIVE, LE.RENEW): L.ACTIVE,
+        (L.ACTIVE, LE.RELEASE): L.RELEASED,
+        (L.ACTIVE, LE.EXPIRE): L.EXPIRED,
+    },
+)
 
-SLOT = Machine("slot", SlotState, SlotEvent, S.FREE, {
-    (S.FREE, SE.FILL): S.WRITING,
-    (S.WRITING, SE.COMMIT): S.HOLDING,
-    (S.WRITING, SE.ABORT): S.FREE,
-    (S.HOLDING, SE.RECLAIM): S.FREE,
-})
+SLOT = Machine(
+    "slot",
+    SlotState,
+    SlotEvent,
+    S.FREE,
+    {
+        (S.FREE, SE.FILL): S.WRITING,
+        (S.WRITING, SE.COMMIT): S.HOLDING,
+        (S.WRITING, SE.ABORT): S.FREE,
+        (S.HOLDING, SE.RECLAIM): S.FREE,
+    },
+)
 
 ALL: tuple[Machine[Any, Any], ...] = (VERSION, LEASE, SLOT)
 

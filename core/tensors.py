@@ -90,6 +90,5 @@ def adapter_for(value: Any) -> TensorAdapter:
         adapter: TensorAdapter = module.TorchAdapter()
         return adapter
     raise InvalidArgumentError(
-        f"cannot publish a {type(value).__module__}.{type(value).__name__}: pass torch "
-        "tensors or weightpull.HostTensor"
+        f"cannot publish a {type(value).__module__}.{type(value).__name__}: pass torch tensors or weightpull.HostTensor"
     )

@@ -63,7 +63,9 @@ def register_transport(
 def _entries() -> dict[str, DriverEntry]:
     entries = dict(BUILTIN)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        entries.setdefault(ep.name, DriverEntry(ep.name, ep.value, None, origin=f"entry point ({ep.dist.name if ep.dist else '?'})"))
+        entries.setdefault(
+            ep.name, DriverEntry(ep.name, ep.value, None, origin=f"entry point ({ep.dist.name if ep.dist else '?'})")
+        )
     entries.update(_registered)
     return entries
 
@@ -106,7 +108,9 @@ def list_transports() -> list[DriverInfo]:
     """Every known driver, whether it imports, and why not."""
     infos = []
     for name, entry in sorted(_entries().items()):
-        target = entry.target if isinstance(entry.target, str) else f"{entry.target.__module__}:{entry.target.__qualname__}"
+        target = (
+            entry.target if isinstance(entry.target, str) else f"{entry.target.__module__}:{entry.target.__qualname__}"
+        )
         try:
             reason = _load(entry).unavailable_reason()
         except DriverUnavailableError as exc:
@@ -128,5 +132,7 @@ def for_device(transport: Transport, device: str, staging: bool | None = None) -
         raise DriverUnavailableError(f"a mirror on {device} needs torch: {exc}") from exc
     reason = staged.unavailable_reason()
     if reason:
-        raise DriverUnavailableError(f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}")
+        raise DriverUnavailableError(
+            f"a mirror on {device} cannot be fed from {transport.name!r}'s host reads: {reason}"
+        )
     return staged(transport)  # type: ignore[call-arg]  # a wrapper: it takes the transport it wraps

@@ -110,8 +110,13 @@ class FakeTransport(Transport):
         if region.handle not in self._mine:
             raise RegionNotRegisteredError("cannot export a region this transport did not register")
         return json.dumps(
-            {"fabric": self.fabric.id, "owner": self.id, "region": region.handle, "nbytes": region.nbytes,
-             "pid": os.getpid()}
+            {
+                "fabric": self.fabric.id,
+                "owner": self.id,
+                "region": region.handle,
+                "nbytes": region.nbytes,
+                "pid": os.getpid(),
+            }
         ).encode()
 
     def connect(self, descriptor: bytes) -> Remote:
@@ -129,8 +134,10 @@ class FakeTransport(Transport):
                     "process only: across processes use nixl, or cuda_ipc on one host (`weightpull drivers` "
                     "lists those that load here)"
                 )
-            raise PeerGoneError("that descriptor's fabric is gone: every fake transport that shared it has been "
-                                "collected (the fake transport works within one process only)")
+            raise PeerGoneError(
+                "that descriptor's fabric is gone: every fake transport that shared it has been "
+                "collected (the fake transport works within one process only)"
+            )
         return remote
 
     # -- reading -------------------------------------------------------------------------

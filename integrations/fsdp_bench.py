@@ -16,9 +16,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.stderr.write("warning: `python -m weightpull.integrations.fsdp_bench` is deprecated and goes in a later "
-                     "release: write `weightpull bench fsdp`\n")
+    sys.stderr.write(
+        "warning: `python -m weightpull.integrations.fsdp_bench` is deprecated and goes in a later "
+        "release: write `weightpull bench fsdp`\n"
+    )
     sys.exit(main())
 else:
-    warnings.warn("weightpull.integrations.fsdp_bench is deprecated: import weightpull.integrations.bench.fsdp "
-                  "(`weightpull bench fsdp` runs it)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "weightpull.integrations.fsdp_bench is deprecated: import weightpull.integrations.bench.fsdp "
+        "(`weightpull bench fsdp` runs it)",
+        DeprecationWarning,
+        stacklevel=2,
+    )

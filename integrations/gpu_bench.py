@@ -25,9 +25,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.stderr.write("warning: `python -m weightpull.integrations.gpu_bench` is deprecated and goes in a later "
-                     "release: write `weightpull bench gpu`\n")
+    sys.stderr.write(
+        "warning: `python -m weightpull.integrations.gpu_bench` is deprecated and goes in a later "
+        "release: write `weightpull bench gpu`\n"
+    )
     sys.exit(main())
 else:
-    warnings.warn("weightpull.integrations.gpu_bench is deprecated: import weightpull.integrations.bench.gpu "
-                  "(`weightpull bench gpu` runs it)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "weightpull.integrations.gpu_bench is deprecated: import weightpull.integrations.bench.gpu "
+        "(`weightpull bench gpu` runs it)",
+        DeprecationWarning,
+        stacklevel=2,
+    )

@@ -148,8 +148,14 @@ class SnapshotPublisher:
             self._owned.append(transport)
         # Copies out of staging on a side stream: queued behind none of the trainer's kernels.
         stream = torch.cuda.Stream(self.staging.device) if self.staging.device.type == "cuda" else None
-        self.publisher = Publisher(registry, transport, rollout_dtype=self.rollout_dtype,
-                                   adapter=TorchAdapter(stream), device=slot_device, **publisher_options)
+        self.publisher = Publisher(
+            registry,
+            transport,
+            rollout_dtype=self.rollout_dtype,
+            adapter=TorchAdapter(stream),
+            device=slot_device,
+            **publisher_options,
+        )
         self._serving = self._portal.start_task_soon(self.publisher.serve)  # peers' reads may need our progress
         self._last: Ticket | None = None
         self._reported: Ticket | None = None  # whose failure was logged

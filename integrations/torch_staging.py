@@ -66,7 +66,9 @@ class HostStaged(WrappedTransport):
 
     def export(self, region: Region) -> bytes:
         if region in self._staged:
-            raise InvalidArgumentError("a staged GPU region is a reader's mirror; publish from host or plain GPU memory")
+            raise InvalidArgumentError(
+                "a staged GPU region is a reader's mirror; publish from host or plain GPU memory"
+            )
         return self.inner.export(region)
 
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:

@@ -24,8 +24,14 @@ def env(secret: bytes | None = SECRET, **extra: str) -> dict[str, str]:
 
 
 def cli(*args: str, secret: bytes | None = SECRET, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightpull", *args], env=env(secret), capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "weightpull", *args],
+        env=env(secret),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 class ServedRegistry:
@@ -41,8 +47,13 @@ class ServedRegistry:
         self.starts += 1
         self.log_path = self.log_dir / f"registry-{self.starts}.log"
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "weightpull", "registry", "serve", "--bind", bind],
-                                         env=env(self.secret), stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightpull", "registry", "serve", "--bind", bind],
+                env=env(self.secret),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""

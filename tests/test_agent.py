@@ -173,8 +173,9 @@ async def test_repeated_apply_failures_fail_the_agent(world):
     assert agent.failure.version == 3 and engine.paused  # the second failure is not resumed
 
 
-@pytest.mark.parametrize("kw", [{"min_version_lag": 0}, {"pause_mode": "later"}, {"max_pull_attempts": 0},
-                                {"max_apply_failures": 0}])
+@pytest.mark.parametrize(
+    "kw", [{"min_version_lag": 0}, {"pause_mode": "later"}, {"max_pull_attempts": 0}, {"max_apply_failures": 0}]
+)
 def test_bad_settings_are_refused(world, kw):
     with pytest.raises(InvalidArgumentError):
         UpdateAgent("r0", world.registry, FakeEngine(world), **kw)

@@ -19,7 +19,9 @@ def bench(*args):
     return weightpull("bench", "pull", *args)
 
 
-@pytest.mark.parametrize(("text", "nbytes"), [("1G", 1 << 30), ("256M", 256 << 20), ("512MiB", 512 << 20), ("64k", 65536), ("4096", 4096)])
+@pytest.mark.parametrize(
+    ("text", "nbytes"), [("1G", 1 << 30), ("256M", 256 << 20), ("512MiB", 512 << 20), ("64k", 65536), ("4096", 4096)]
+)
 def test_sizes(text, nbytes):
     assert parse_size(text) == nbytes
 
@@ -31,7 +33,12 @@ def test_bad_sizes(text):
 
 
 def test_options_and_content():
-    assert transport_options(["threads=4", "pinned=true", "name=x", "progress_interval=0.5"]) == {"threads": 4, "pinned": True, "name": "x", "progress_interval": 0.5}
+    assert transport_options(["threads=4", "pinned=true", "name=x", "progress_interval=0.5"]) == {
+        "threads": 4,
+        "pinned": True,
+        "name": "x",
+        "progress_interval": 0.5,
+    }
     with pytest.raises(InvalidArgumentError):
         transport_options(["threads"])
     data = content(3 << 20)
@@ -64,7 +71,10 @@ def test_the_old_spelling_still_runs_and_warns():
     """`weightpull bench --size` is `weightpull bench pull --size` for a release, with a warning."""
     proc = weightpull("bench", "--size", "2M", "--bucket-size", "1M", "--repeat", "1", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "warning: `weightpull bench --size` is deprecated" in proc.stderr and "`weightpull bench pull --size`" in proc.stderr
+    assert (
+        "warning: `weightpull bench --size` is deprecated" in proc.stderr
+        and "`weightpull bench pull --size`" in proc.stderr
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert KEYS <= result.keys() and result["byte_exact"] is True and result["size_bytes"] == 2 << 20
     proc = weightpull("bench", "--size", "1M", "--preset", "tiny")
@@ -87,14 +97,19 @@ def test_bench_help_names_every_figure():
 @pytest.mark.parametrize(("module", "figure"), [("gpu_bench", "gpu"), ("fsdp_bench", "fsdp")])
 def test_the_old_module_paths_warn(module, figure):
     pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, "-m", f"weightpull.integrations.{module}", "--help"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"weightpull.integrations.{module}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"`python -m weightpull.integrations.{module}` is deprecated" in proc.stderr
     assert f"weightpull bench {figure}" in proc.stdout  # the new command's help
     code = f"import weightpull.integrations.{module}"
-    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1 and f"weightpull.integrations.{module} is deprecated" in proc.stderr
 
 

@@ -15,7 +15,9 @@ PROGRESS = re.compile(r"\[ *\d+\.\d\ds\] ")  # the start of each of the demo's p
 
 
 def run(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "weightpull", *args], capture_output=True, text=True, check=check, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "weightpull", *args], capture_output=True, text=True, check=check, timeout=300
+    )
 
 
 def replica_alive(pid):
@@ -39,10 +41,13 @@ def test_drivers_json():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", [
-    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="the nixl driver does not load here")),
-    "fake",
-])
+@pytest.mark.parametrize(
+    "transport",
+    [
+        pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="the nixl driver does not load here")),
+        "fake",
+    ],
+)
 def test_demo_json_summary_and_checks(transport):
     pytest.importorskip("torch")
     # nixl is the default where it loads: its run passes no --transport.
@@ -69,10 +74,14 @@ def test_demo_json_summary_and_checks(transport):
 def _demo_until(line_wanted):
     """Start the nixl demo; return it and its replicas' pids once `line_wanted` shows.
     Unbuffered, as on CI, where a line written in two pieces would interleave with others."""
-    proc = subprocess.Popen([sys.executable, "-m", "weightpull", "demo", "--transport", "nixl", *SMALL],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightpull", "demo", "--transport", "nixl", *SMALL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     pids, seen = [], []
     for line in proc.stderr:
         seen.append(line)
@@ -125,4 +134,7 @@ def test_progress_writes_each_line_whole():
 
 def test_demo_refuses_bad_arguments():
     proc = run("demo", "--replicas", "1", check=False)
-    assert proc.returncode == 2 and proc.stderr == "error: argument --replicas: must be at least 2, got 1 (see weightpull demo --help)\n"
+    assert (
+        proc.returncode == 2
+        and proc.stderr == "error: argument --replicas: must be at least 2, got 1 (see weightpull demo --help)\n"
+    )

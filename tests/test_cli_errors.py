@@ -31,8 +31,14 @@ def env(secret: str | None = SECRET, **extra: str) -> dict[str, str]:
 
 
 def run(*args: str, secret: str | None = SECRET, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightpull", *args], env=env(secret), capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "weightpull", *args],
+        env=env(secret),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -70,7 +76,11 @@ FAILURES = [
     (("bench", "nope"), 2, "argument FIGURE: invalid choice: 'nope'"),
     (("bench", "fsdp", "--publishes", "0"), 2, "argument --publishes: must be at least 1, got 0"),
     (("registry", "serve", "--bind", "tcp://127.0.0.1"), 2, "'tcp://127.0.0.1' needs a host and a port"),
-    (("registry", "serve", "--bind", "127.0.0.1:5603"), 2, "'127.0.0.1:5603' has no scheme: write tcp://127.0.0.1:5603"),
+    (
+        ("registry", "serve", "--bind", "127.0.0.1:5603"),
+        2,
+        "'127.0.0.1:5603' has no scheme: write tcp://127.0.0.1:5603",
+    ),
     (("registry", "serve", "--bind", "udp://127.0.0.1:5603"), 2, "is not an endpoint to listen on"),
     (("registry", "serve", "--secret-file", "/nonexistent/secret"), 2, "cannot read the secret file"),
     (("bench", "registry", "--clients", "0"), 2, "argument --clients: must be at least 1, got 0"),
@@ -93,8 +103,9 @@ def test_a_wrong_command_line_is_one_error_line_and_exit_2(args, status, says):
     assert proc.stdout == "" or "--json" in args
 
 
-@pytest.mark.parametrize("args", [("demo", "--size-mib", "0"), ("status", "--watch", "--json"),
-                                  ("bench", "model", "--transport", "nope")])
+@pytest.mark.parametrize(
+    "args", [("demo", "--size-mib", "0"), ("status", "--watch", "--json"), ("bench", "model", "--transport", "nope")]
+)
 def test_with_json_the_error_is_also_a_json_object_on_stdout(args):
     proc = run(*args, "--json")
     line = one_error_line(proc)
@@ -142,9 +153,13 @@ class Served:
     """`registry serve --json` on a free port: its ready line, parsed."""
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "weightpull", "registry", "serve", "--bind",
-                                      "tcp://127.0.0.1:0", "--json"], env=env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0", "--json"],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         assert ready, "no ready line within 60 s"
         self.ready = json.loads(self.proc.stdout.readline())
@@ -176,8 +191,14 @@ def test_a_closed_stdout_ends_quietly():
             read, write = os.pipe()
             os.close(read)  # the reader is gone before the first byte: like `| head -0`
             try:
-                proc = subprocess.run([sys.executable, "-m", "weightpull", *args], env=env(), stdout=write,
-                                      stderr=subprocess.PIPE, text=True, timeout=60)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "weightpull", *args],
+                    env=env(),
+                    stdout=write,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    timeout=60,
+                )
             finally:
                 os.close(write)
             assert proc.returncode == 141 and proc.stderr == "", (args, proc.stderr)
@@ -190,9 +211,13 @@ def test_status_watch_reads_again_until_ctrl_c(terminal):
     with Served() as served:
         # rich draws live only on a terminal; these tell it the pipe is one. Else: a block per read.
         tty = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"} if terminal else {}
-        proc = subprocess.Popen([sys.executable, "-m", "weightpull", "status", "--registry", served.address,
-                                 "--watch", "0.2"], env=env(**tty), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightpull", "status", "--registry", served.address, "--watch", "0.2"],
+            env=env(**tty),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         seen = ""
         deadline = time.monotonic() + 60
         while "newest READY: none" not in seen and time.monotonic() < deadline:
@@ -215,8 +240,10 @@ def test_version_is_the_package_metadata():
 
 
 def test_the_fake_transport_across_processes_says_it_works_in_one_process_only():
-    export = ("import sys; from weightpull import create_transport; t = create_transport('fake'); "
-              "sys.stdout.write(t.export(t.register(bytearray(16))).decode())")
+    export = (
+        "import sys; from weightpull import create_transport; t = create_transport('fake'); "
+        "sys.stdout.write(t.export(t.register(bytearray(16))).decode())"
+    )
     descriptor = subprocess.run([sys.executable, "-c", export], capture_output=True, check=True, timeout=60).stdout
     transport = weightpull.create_transport("fake")
     with pytest.raises(PeerGoneError, match="the fake transport works within one process only"):
@@ -226,10 +253,18 @@ def test_the_fake_transport_across_processes_says_it_works_in_one_process_only()
 # (module made unimportable, arguments, what the error line must say)
 MISSING = [
     ("torch", ("demo", "--transport", "fake"), "weightpull demo needs torch: pip install 'weightpull[torch]'"),
-    ("torch", ("bench", "model", "--preset", "tiny"), "weightpull bench model needs the torch extra: pip install 'weightpull[torch]'"),
+    (
+        "torch",
+        ("bench", "model", "--preset", "tiny"),
+        "weightpull bench model needs the torch extra: pip install 'weightpull[torch]'",
+    ),
     ("torch", ("bench", "gpu"), "weightpull bench gpu needs the torch extra: pip install 'weightpull[torch]'"),
     ("zmq", ("registry", "serve"), "serving the registry needs the service extra: pip install 'weightpull[service]'"),
-    ("zmq", ("bench", "registry"), "weightpull bench registry needs the service extra: pip install 'weightpull[service]'"),
+    (
+        "zmq",
+        ("bench", "registry"),
+        "weightpull bench registry needs the service extra: pip install 'weightpull[service]'",
+    ),
     ("zmq", ("status",), "status needs the service extra: pip install 'weightpull[service]'"),
     ("rich", ("status", "--watch"), "status --watch needs the service extra: pip install 'weightpull[service]'"),
 ]
@@ -237,8 +272,10 @@ MISSING = [
 
 @pytest.mark.parametrize(("module", "args", "says"), MISSING, ids=[f"{m}: {' '.join(a)}" for m, a, _ in MISSING])
 def test_a_missing_extra_is_named_with_its_pip_command(module, args, says):
-    code = (f"import sys; sys.modules[{module!r}] = None; from weightpull.integrations.cli import main; "
-            f"sys.exit(main({list(args)!r}))")  # None in sys.modules: `import` fails as if not installed
+    code = (
+        f"import sys; sys.modules[{module!r}] = None; from weightpull.integrations.cli import main; "
+        f"sys.exit(main({list(args)!r}))"
+    )  # None in sys.modules: `import` fails as if not installed
     proc = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert says in one_error_line(proc)

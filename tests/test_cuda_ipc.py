@@ -31,7 +31,15 @@ from weightpull import (
     create_transport,
     list_transports,
 )
-from weightpull.drivers.cuda_ipc import CudaIpcTransport, driver_api, lanes, mappings, owners, sweep_dead_owners, transport
+from weightpull.drivers.cuda_ipc import (
+    CudaIpcTransport,
+    driver_api,
+    lanes,
+    mappings,
+    owners,
+    sweep_dead_owners,
+    transport,
+)
 from weightpull.drivers.cuda_ipc.owners import boot_id
 
 OWNER = textwrap.dedent("""
@@ -58,8 +66,18 @@ def test_without_a_gpu_it_says_why():
 
 
 def _descriptor(path: str, nbytes: int = 4096, boot: str | None = None, **extra) -> bytes:
-    d = {"cuda_ipc": 1, "memory": "device", "handle": "ab" * 64, "offset": 0, "nbytes": nbytes, "device": 0, "pid": 1,
-         "boot": boot or boot_id(), "file": path, **extra}
+    d = {
+        "cuda_ipc": 1,
+        "memory": "device",
+        "handle": "ab" * 64,
+        "offset": 0,
+        "nbytes": nbytes,
+        "device": 0,
+        "pid": 1,
+        "boot": boot or boot_id(),
+        "file": path,
+        **extra,
+    }
     return json.dumps(d).encode()
 
 
@@ -114,8 +132,12 @@ def test_a_host_slot_lives_in_its_owners_file_and_a_dead_owners_files_are_swept(
     """A host slot's bytes follow the liveness record in one shared-memory file, which a
     reader maps read-only; once the owner is SIGKILLed, the next transport removes its
     files (gigabytes of /dev/shm for a real slot), and a live owner's stay."""
-    dead = subprocess.Popen([sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    live = subprocess.Popen([sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    dead = subprocess.Popen(
+        [sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    live = subprocess.Popen(
+        [sys.executable, "-c", HOST_SLOTS], text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         dead_paths, live_paths = dead.stdout.readline().split(), live.stdout.readline().split()
         t = CudaIpcTransport()
@@ -244,24 +266,45 @@ async def test_reads_adjacent_on_both_sides_go_as_one_copy(monkeypatch):
     a, b = object(), object()
     remote_a, remote_b = SimpleNamespace(handle=a), SimpleNamespace(handle=b)
     mirror, other = object(), object()
-    monkeypatch.setattr(t, "_route", lambda remote, ro, local, lo, n, checked: (lane, {mirror: 10_000, other: 20_000}[local] + lo,
-                                                                                  {a: 0, b: 5_000}[remote.handle] + ro))
-    reads = [(remote_a, 0, mirror, 0, 100), (remote_a, 100, mirror, 100, 200), (remote_a, 300, mirror, 300, 0),
-             (remote_a, 300, mirror, 300, 300),  # adjacent: one copy of 600
-             (remote_a, 700, mirror, 600, 100),  # a gap in the remote
-             (remote_b, 0, mirror, 700, 100),  # adjacent in the mirror, another remote
-             (remote_b, 100, other, 0, 50),  # another region
-             (remote_b, 150, other, 50, 900), (remote_b, 1050, other, 950, 100)]  # past the cap: two
+    monkeypatch.setattr(
+        t,
+        "_route",
+        lambda remote, ro, local, lo, n, checked: (
+            lane,
+            {mirror: 10_000, other: 20_000}[local] + lo,
+            {a: 0, b: 5_000}[remote.handle] + ro,
+        ),
+    )
+    reads = [
+        (remote_a, 0, mirror, 0, 100),
+        (remote_a, 100, mirror, 100, 200),
+        (remote_a, 300, mirror, 300, 0),
+        (remote_a, 300, mirror, 300, 300),  # adjacent: one copy of 600
+        (remote_a, 700, mirror, 600, 100),  # a gap in the remote
+        (remote_b, 0, mirror, 700, 100),  # adjacent in the mirror, another remote
+        (remote_b, 100, other, 0, 50),  # another region
+        (remote_b, 150, other, 50, 900),
+        (remote_b, 1050, other, 950, 100),
+    ]  # past the cap: two
     await t.read_many(reads)
-    assert fake.copies == [(10_000, 0, 600), (10_600, 700, 100), (10_700, 5_000, 100), (20_000, 5_100, 950),
-                           (20_950, 6_050, 100)]
+    assert fake.copies == [
+        (10_000, 0, 600),
+        (10_600, 700, 100),
+        (10_700, 5_000, 100),
+        (20_000, 5_100, 950),
+        (20_950, 6_050, 100),
+    ]
     assert not lane._queue and len(fake.landing) == 5  # an event after each copy, all landed
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1), st.integers(0, 3), st.integers(0, 3),
-                          st.integers(0, 40)), max_size=12),
-       st.integers(1, 100))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, 1), st.integers(0, 3), st.integers(0, 3), st.integers(0, 40)),
+        max_size=12,
+    ),
+    st.integers(1, 100),
+)
 def test_merged_copies_move_exactly_the_bytes_the_reads_ask_for(spans, cap):
     """Whatever the reads (adjacent or not, two remotes, two regions, empty ones), the copies
     queued give each destination byte the source byte its read names, copy no byte twice,
@@ -286,7 +329,9 @@ def test_merged_copies_move_exactly_the_bytes_the_reads_ask_for(spans, cap):
             mp.setattr(transport, "_MERGE_UP_TO", cap)
             lane = lanes.Lane(0)
             mp.setattr(t, "_lanes", {0: lane}, raising=False)
-            mp.setattr(t, "_route", lambda r, ro, local, lo, n, checked: (lane, base[id(local)] + lo, base[id(r.handle)] + ro))
+            mp.setattr(
+                t, "_route", lambda r, ro, local, lo, n, checked: (lane, base[id(local)] + lo, base[id(r.handle)] + ro)
+            )
             await t.read_many(reads)
 
     anyio.run(run)

@@ -62,7 +62,7 @@ async def test_a_torn_read_stalls_without_yielding_and_lands_other_bytes(clock):
     assert clock.now() == 7.0  # jumped inside the read: no timer got to run
     view = local.host_view()
     assert bytes(view[:512]) == DATA[:512] and bytes(view[576:]) == DATA[576:]
-    assert all(a != b for a, b in zip(view[512:576], DATA[512:576]))
+    assert all(a != b for a, b in zip(view[512:576], DATA[512:576], strict=True))
 
 
 async def test_a_puller_over_any_wrapped_driver_rejects_a_torn_read(world):

@@ -5,7 +5,6 @@ registry and NIXL; this process pulls as a replica and checks the weights bit fo
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -62,19 +61,34 @@ class Job:
         port = str(free_port())
         self.procs = []
         for rank in range(2):
-            extra = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                     "WEIGHTPULL_REGISTRY": address, "OMP_NUM_THREADS": "1"}
+            extra = {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WEIGHTPULL_REGISTRY": address,
+                "OMP_NUM_THREADS": "1",
+            }
             log = open(out / f"rank{rank}.log", "w")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args, str(out)], cwd=ROOT,
-                                               env=env(secret, **extra), stdout=log, stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args, str(out)],
+                    cwd=ROOT,
+                    env=env(secret, **extra),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
 
     def report(self, rank: int, timeout: float = 90.0) -> dict:
         path = self.out / f"rank{rank}.json"
         deadline = time.monotonic() + timeout
         while not path.exists():
             if self.procs[rank].poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"rank {rank} ended ({self.procs[rank].returncode}) without a report:\n"
-                                     + (self.out / f"rank{rank}.log").read_text())
+                raise AssertionError(
+                    f"rank {rank} ended ({self.procs[rank].returncode}) without a report:\n"
+                    + (self.out / f"rank{rank}.log").read_text()
+                )
             time.sleep(0.05)
         return json.loads(path.read_text())
 
@@ -111,7 +125,9 @@ async def pull_and_check(registry: ServedRegistry, nixl, out: Path, version: int
 
 
 @pytest.mark.parametrize("mode", ["sharded", "gathered"])
-async def test_fsdp_ranks_publish_every_step_and_a_broken_publish_keeps_the_last_version(mode, registry, nixl, tmp_path):
+async def test_fsdp_ranks_publish_every_step_and_a_broken_publish_keeps_the_last_version(
+    mode, registry, nixl, tmp_path
+):
     job = Job("tests.fsdp_rank", [mode], registry.address, tmp_path)
     try:
         reports = [job.report(0), job.report(1) if mode == "sharded" else None]
@@ -134,19 +150,43 @@ async def test_fsdp_ranks_publish_every_step_and_a_broken_publish_keeps_the_last
 
 
 def test_checkpoint_names_leave_wrappers_out():
-    assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert (
+        hf_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    )
     assert hf_name("_orig_mod.model._fsdp_wrapped_module.embed_tokens.weight") == "model.embed_tokens.weight"
     assert hf_name("lm_head.weight") == "lm_head.weight"
 
 
-SMALL = ["--layers", "2", "--hidden", "64", "--inter", "96", "--vocab", "301", "--heads", "4",
-         "--kv-heads", "2", "--head-dim", "16", "--device", "cpu"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--inter",
+    "96",
+    "--vocab",
+    "301",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--device",
+    "cpu",
+]
 
 
 def test_the_blocking_time_bench_runs_small_on_cpu():
     """The H200 figure of docs/fsdp.md comes from this bench at Qwen3-8B's shapes."""
-    run = subprocess.run([sys.executable, "-m", "weightpull", "bench", "fsdp", *SMALL, "--publishes", "2"], cwd=ROOT,
-                         env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "weightpull", "bench", "fsdp", *SMALL, "--publishes", "2"],
+        cwd=ROOT,
+        env=env(MASTER_PORT=str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["mode"] for r in lines] == ["sharded", "gathered"]
@@ -154,9 +194,14 @@ def test_the_blocking_time_bench_runs_small_on_cpu():
 
 
 def test_the_blocking_time_bench_old_module_path_still_runs_and_warns():
-    run = subprocess.run([sys.executable, "-m", "weightpull.integrations.fsdp_bench", *SMALL, "--publishes", "1",
-                          "--mode", "sharded"], cwd=ROOT, env=env(MASTER_PORT=str(free_port())), capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "weightpull.integrations.fsdp_bench", *SMALL, "--publishes", "1", "--mode", "sharded"],
+        cwd=ROOT,
+        env=env(MASTER_PORT=str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "`python -m weightpull.integrations.fsdp_bench` is deprecated" in run.stderr
     (line,) = [json.loads(line) for line in run.stdout.splitlines()]

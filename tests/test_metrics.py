@@ -96,8 +96,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.status == 200
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 async def test_the_served_registry_offers_its_status_to_prometheus():
@@ -123,8 +126,14 @@ async def test_the_served_registry_offers_its_status_to_prometheus():
         assert m["weightpull_registry_versions", (("state", "RETIRED"),)] == 1
         assert m["weightpull_registry_versions", (("state", "WRITING"),)] == 0
         assert m["weightpull_registry_newest_ready_version", ()] == 2
-        assert m["weightpull_registry_version_state", (("publisher", "trainer"), ("state", "READY"), ("version", "2"))] == 1
-        assert m["weightpull_registry_version_state", (("publisher", "trainer"), ("state", "RETIRED"), ("version", "1"))] == 1
+        assert (
+            m["weightpull_registry_version_state", (("publisher", "trainer"), ("state", "READY"), ("version", "2"))]
+            == 1
+        )
+        assert (
+            m["weightpull_registry_version_state", (("publisher", "trainer"), ("state", "RETIRED"), ("version", "1"))]
+            == 1
+        )
         assert m["weightpull_registry_version_bytes", (("version", "2"),)] == NBYTES
         assert m["weightpull_registry_version_live_leases", (("version", "2"),)] == 1
         assert m["weightpull_registry_live_leases", ()] == 1
@@ -178,9 +187,24 @@ def test_registry_serve_metrics_port_prints_where_to_scrape():
 
     from .served import env
 
-    proc = subprocess.Popen([sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0",
-                             "--metrics-port", "0", "--json"], env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightpull",
+            "registry",
+            "serve",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--json",
+        ],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         ready = json.loads(proc.stdout.readline())
         assert ready["metrics"].startswith("http://127.0.0.1:")

@@ -36,8 +36,20 @@ def test_tiny_preset_json_against_limits_and_baselines():
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     # the fields of `--size`, and the new ones
-    assert {"transport", "size_bytes", "pull_gbps", "raw_gbps", "limit_gbps", "ratio_to_raw", "to_device_gbps",
-            "publish_block_ms", "apply_pause_ms", "publish_to_serving_ms", "limits", "baselines"} <= r.keys()
+    assert {
+        "transport",
+        "size_bytes",
+        "pull_gbps",
+        "raw_gbps",
+        "limit_gbps",
+        "ratio_to_raw",
+        "to_device_gbps",
+        "publish_block_ms",
+        "apply_pause_ms",
+        "publish_to_serving_ms",
+        "limits",
+        "baselines",
+    } <= r.keys()
     assert r["transport"] == "fake" and r["preset"] == "tiny" and r["tensors"] == 24 and r["versions"] == 2
     assert r["size_bytes"] >= r["tensor_bytes"] == PRESETS["tiny"].bf16_bytes()
     assert [t["transport"] for t in r["transports"]] == ["fake"] and r["byte_exact"] is True
@@ -61,7 +73,9 @@ def test_tiny_preset_json_against_limits_and_baselines():
     assert by_name.keys() == {"gloo", "nccl", "verl-ipc"}
     gloo = by_name["gloo"]
     assert gloo["byte_exact"] is True and gloo["buckets"] == 1
-    assert all(positive(gloo[k]) for k in ("publish_block_ms", "apply_pause_ms", "publish_to_serving_ms", "update_gbps"))
+    assert all(
+        positive(gloo[k]) for k in ("publish_block_ms", "apply_pause_ms", "publish_to_serving_ms", "update_gbps")
+    )
     assert "skipped" in by_name["nccl"] and "skipped" in by_name["verl-ipc"]  # no GPU here
 
     assert "weightpull fake" in proc.stderr and "baseline gloo" in proc.stderr and "limit (" in proc.stderr
@@ -81,6 +95,9 @@ def test_the_old_spelling_still_runs_and_warns():
     """`weightpull bench --preset` is `weightpull bench model --preset` for a release, with a warning."""
     proc = weightpull("bench", "--preset", "tiny", "--transport", "fake", "--versions", "1", "--no-baselines", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "warning: `weightpull bench --preset` is deprecated" in proc.stderr and "`weightpull bench model`" in proc.stderr
+    assert (
+        "warning: `weightpull bench --preset` is deprecated" in proc.stderr
+        and "`weightpull bench model`" in proc.stderr
+    )
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["preset"] == "tiny" and r["byte_exact"] is True and r["baselines"] == []

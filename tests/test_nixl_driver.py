@@ -21,11 +21,10 @@ from weightpull import (
     create_transport,
     list_transports,
 )
-from weightpull.integrations.bench.pull import BenchConfig, PublisherProcess, digest
 from weightpull.drivers import nixl as nixl_driver
 from weightpull.drivers.nixl import NixlTransport, nixl_errors
-
 from weightpull.drivers.testing.conformance import ProcessPeer, pattern
+from weightpull.integrations.bench.pull import BenchConfig, PublisherProcess, digest
 
 pytestmark = pytest.mark.anyio
 

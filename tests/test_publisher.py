@@ -114,6 +114,7 @@ async def test_a_failed_copy_aborts_and_keeps_the_previous_version(world):
     class Exploding:
         def describe(self, name, value, rollout_dtype):
             from weightpull.tensors import HostTensorAdapter
+
             return HostTensorAdapter().describe(name, value, rollout_dtype)
 
         async def write(self, items, region):
@@ -142,6 +143,7 @@ async def test_cancelled_publish_is_aborted(world):
     class Stuck:
         def describe(self, name, value, rollout_dtype):
             from weightpull.tensors import HostTensorAdapter
+
             return HostTensorAdapter().describe(name, value, rollout_dtype)
 
         async def write(self, items, region):

@@ -71,8 +71,9 @@ def test_the_quickstart_runs_as_written_in_two_processes(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "WEIGHTPULL_SECRET": secrets.token_hex(16)}
     env.pop("WEIGHTPULL_REGISTRY", None)
-    trainer, replica = run_both([sys.executable, str(files["trainer.py"]), address],
-                                [sys.executable, str(files["replica.py"]), address], env)
+    trainer, replica = run_both(
+        [sys.executable, str(files["trainer.py"]), address], [sys.executable, str(files["replica.py"]), address], env
+    )
     assert "trainer: published v3" in trainer
     assert replica.strip().splitlines()[-1] == LAST
 
@@ -116,7 +117,9 @@ class Namespaces:
 def connections(ns: str) -> set[tuple[str, str]]:
     """(local, peer) of every TCP socket in `ns` that has a peer."""
     out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tanH"], capture_output=True, text=True, timeout=10).stdout
-    return {(f[3], f[4]) for f in (line.split() for line in out.splitlines()) if len(f) >= 5 and not f[4].endswith(":*")}
+    return {
+        (f[3], f[4]) for f in (line.split() for line in out.splitlines()) if len(f) >= 5 and not f[4].endswith(":*")
+    }
 
 
 def port(endpoint: str) -> int:
@@ -146,11 +149,18 @@ def test_the_quickstart_runs_across_two_hosts_through_the_named_ports_only(tmp_p
         watcher.start()
         address = f"tcp://{TRAINER_IP}:{REGISTRY_PORT}"
         # One kernel under both namespaces: UCX would read over CMA, never crossing the veth.
-        env = {**os.environ, "WEIGHTPULL_SECRET": secrets.token_hex(16), "UCX_TLS": "tcp",
-               "UCX_TCP_PORT_RANGE": f"{UCX_PORTS.start}-{UCX_PORTS.stop - 1}"}
+        env = {
+            **os.environ,
+            "WEIGHTPULL_SECRET": secrets.token_hex(16),
+            "UCX_TLS": "tcp",
+            "UCX_TCP_PORT_RANGE": f"{UCX_PORTS.start}-{UCX_PORTS.stop - 1}",
+        }
         env.pop("WEIGHTPULL_REGISTRY", None)
-        trainer, replica = run_both(ns.run(ns.trainer, [sys.executable, str(files["trainer.py"]), address]),
-                                    ns.run(ns.replica, [sys.executable, str(files["replica.py"]), address]), env)
+        trainer, replica = run_both(
+            ns.run(ns.trainer, [sys.executable, str(files["trainer.py"]), address]),
+            ns.run(ns.replica, [sys.executable, str(files["replica.py"]), address]),
+            env,
+        )
     finally:
         done.set()
         watcher.join(10)

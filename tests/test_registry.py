@@ -143,7 +143,7 @@ async def test_retired_versions_take_no_new_leases_but_keep_old_ones(reg, clock)
 
 async def test_reclaim_waits_for_leases_and_never_takes_the_newest(reg, clock):
     await publish(reg, 1)
-    lease = await reg.acquire(ttl=5, holder="reader-a")
+    await reg.acquire(ttl=5, holder="reader-a")
     await publish(reg, 2)
     with pytest.raises(VersionInUseError, match="reader-a"):
         await reg.reclaim(1)

@@ -66,5 +66,7 @@ class RegistryRules(RuleBasedStateMachine):
         assert ready == ([] if self.m.newest_ready is None else [self.m.newest_ready])
 
 
-RegistryRules.TestCase.settings = settings(max_examples=60, stateful_step_count=30, derandomize=True, database=None, deadline=None)
+RegistryRules.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, derandomize=True, database=None, deadline=None
+)
 test_registry_machine = RegistryRules.TestCase

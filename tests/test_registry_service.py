@@ -192,16 +192,28 @@ async def test_publish_and_pull_across_processes(server):
     transport's memory lives here); another process holding a lease; `weightpull
     status` in a third."""
     fabric = FakeFabric()
-    publisher = Publisher(client(server), FakeTransport(fabric=fabric), num_slots=2, when_full="fail",
-                          rollout_dtype=None, bucket_bytes=2048, name="trainer")
+    publisher = Publisher(
+        client(server),
+        FakeTransport(fabric=fabric),
+        num_slots=2,
+        when_full="fail",
+        rollout_dtype=None,
+        bucket_bytes=2048,
+        name="trainer",
+    )
     pullers = [Puller(client(server), FakeTransport(fabric=fabric), holder=f"replica-{i}", ttl=5.0) for i in range(2)]
     await publisher.publish(1, host_tensors(1))
     await publisher.publish(2, host_tensors(2))
     for p in pullers:
         assert_pulled(await p.pull(), 2)
 
-    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, server.address], env=env(),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LEASE_HOLDER, server.address],
+        env=env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert (await anyio.to_thread.run_sync(holder.stdout.readline)).strip() == "2"
         await publisher.publish(3, host_tensors(3))  # into v1's slot
@@ -240,8 +252,12 @@ async def test_a_wrong_or_missing_secret_is_refused(server):
     before = comparable(await owner.status())
     for secret in (b"not-the-secret", b""):
         intruder = client(server, secret=secret)
-        for attempt in (intruder.status(), intruder.acquire(ttl=5.0, holder="x"),
-                        intruder.begin(2, publisher="x", slot=1), intruder.report_serving("x", 1)):
+        for attempt in (
+            intruder.status(),
+            intruder.acquire(ttl=5.0, holder="x"),
+            intruder.begin(2, publisher="x", slot=1),
+            intruder.report_serving("x", 1),
+        ):
             with pytest.raises(AuthenticationError, match="do not share a secret"):
                 await attempt
         await intruder.aclose()
@@ -273,6 +289,7 @@ async def test_a_timed_out_request_is_resent_and_answered_once(server):
     server.send_signal(signal.SIGSTOP)  # the request reaches a frozen server: no reply in time
     try:
         async with anyio.create_task_group() as tg:
+
             async def thaw():
                 await counting.resent.wait()
                 server.send_signal(signal.SIGCONT)
@@ -302,8 +319,9 @@ async def test_a_restart_mid_job_recovers(server):
     run unprompted (its heartbeat), so replicas recover before the next publish."""
     fabric = FakeFabric()
     trainer = client(server, heartbeat=0.05)
-    publisher = Publisher(trainer, FakeTransport(fabric=fabric), num_slots=2, rollout_dtype=None,
-                          bucket_bytes=2048, name="trainer")
+    publisher = Publisher(
+        trainer, FakeTransport(fabric=fabric), num_slots=2, rollout_dtype=None, bucket_bytes=2048, name="trainer"
+    )
     replica = client(server)
     reading = anyio.Event()
 
@@ -373,5 +391,8 @@ def test_status_needs_an_address_and_bench_prints_its_figures():
 def test_registry_bench_the_old_spelling_still_runs_and_warns():
     bench = cli("registry", "bench", "--clients", "2", "--seconds", "0.2", "--json")
     assert bench.returncode == 0, bench.stderr
-    assert "warning: `weightpull registry bench` is deprecated" in bench.stderr and "`weightpull bench registry`" in bench.stderr
+    assert (
+        "warning: `weightpull registry bench` is deprecated" in bench.stderr
+        and "`weightpull bench registry`" in bench.stderr
+    )
     assert json.loads(bench.stdout)["clients"] == 2

@@ -84,7 +84,9 @@ class Live:
         try:
             answer = self.sock.recv_multipart()
         except zmq.Again:
-            raise AssertionError(f"no reply (server alive: {self.served.alive()})\n{self.served.log()[-2000:]}")
+            raise AssertionError(
+                f"no reply (server alive: {self.served.alive()})\n{self.served.log()[-2000:]}"
+            ) from None
         return wire.decode_reply(SECRET, answer)  # signed by the server, whatever it says
 
     def expect(self, frames: list[bytes]) -> str | None:
@@ -126,14 +128,25 @@ def seal(body: bytes) -> list[bytes]:
 
 
 def envelope(live: Live, op: str, args: dict, **change) -> dict:
-    body = {"wp": wire.PROTOCOL, "type": "request", "id": os.urandom(8).hex(), "nonce": wire.new_nonce(),
-            "ts": time.time(), "epoch": live.served.epoch, "op": op, "args": args}
+    body = {
+        "wp": wire.PROTOCOL,
+        "type": "request",
+        "id": os.urandom(8).hex(),
+        "nonce": wire.new_nonce(),
+        "ts": time.time(),
+        "epoch": live.served.epoch,
+        "op": op,
+        "args": args,
+    }
     return {**body, **change}
 
 
 # Read-only operations with valid arguments: whatever is mutated, nothing can change.
 READS = {
-    "ping": {}, "status": {}, "newest": {}, "get": {"version": 2},
+    "ping": {},
+    "status": {},
+    "newest": {},
+    "get": {"version": 2},
     "is_valid": {"lease": Lease("x-1", 2, "h", 5.0, 1.0).to_dict()},
     "wait_for_version": {"min_version": 99, "timeout": 0},
 }
@@ -163,9 +176,11 @@ REFUSED = [
 
 
 @FUZZ
-@given(frames=st.lists(st.binary(max_size=300), min_size=1, max_size=3)
-       | st.binary(max_size=300).map(seal)
-       | json_values.map(lambda v: seal(json.dumps(v).encode())))
+@given(
+    frames=st.lists(st.binary(max_size=300), min_size=1, max_size=3)
+    | st.binary(max_size=300).map(seal)
+    | json_values.map(lambda v: seal(json.dumps(v).encode()))
+)
 def test_random_bytes_get_an_error_reply(live, frames):
     expected = live.expect(frames)
     reply = live.throw(frames)

@@ -54,8 +54,14 @@ TRAINER = textwrap.dedent(f"""
 async def test_publish_and_pull_across_processes_over_nixl(tmp_path):
     server = ServedRegistry(tmp_path)
     server.start()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, server.address], env=env(), text=True,
-                               cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, server.address],
+        env=env(),
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     registry = ZmqRegistry(server.address, secret=SECRET)
     transport = create_transport("nixl")
     puller = Puller(registry, transport, holder="replica-0")

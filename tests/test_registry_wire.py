@@ -32,7 +32,7 @@ def request(op="acquire", args=None, epoch="e1", **kw):
 
 
 def body(frames):
-    return json.loads(frames[0][wire.MAC_BYTES:])
+    return json.loads(frames[0][wire.MAC_BYTES :])
 
 
 def seal(data, key=KEY):
@@ -61,7 +61,7 @@ def test_a_retry_keeps_the_id_and_draws_a_fresh_nonce():
 def test_tampering_or_another_key_fails_the_mac(part):
     [frame] = wire.encode_request(KEY, request())
     i = 3 if part == "mac" else len(frame) - 3
-    tampered = frame[:i] + bytes([frame[i] ^ 1]) + frame[i + 1:]
+    tampered = frame[:i] + bytes([frame[i] ^ 1]) + frame[i + 1 :]
     with pytest.raises(AuthenticationError):
         wire.decode_request(KEY, [tampered])
     with pytest.raises(AuthenticationError):
@@ -78,7 +78,7 @@ def test_tampering_or_another_key_fails_the_mac(part):
         ([b"short"], MalformedMessageError, "shorter than"),
         ([b"x" * (wire.MAX_MESSAGE + 1)], MessageTooLargeError, "exceeds the limit"),
         (seal([1, 2]), MalformedMessageError, "must be a JSON object"),
-        ([wire.mac(KEY, b"{\"a\": NaN}") + b"{\"a\": NaN}"], MalformedMessageError, "not JSON"),
+        ([wire.mac(KEY, b'{"a": NaN}') + b'{"a": NaN}'], MalformedMessageError, "not JSON"),
         ([wire.mac(KEY, b"\xff\xfe") + b"\xff\xfe"], MalformedMessageError, "not JSON"),
         ([wire.mac(KEY, b"[" * 100_000) + b"[" * 100_000], MalformedMessageError, "not JSON"),
     ],
@@ -145,7 +145,16 @@ def test_every_operation_of_the_registry_is_on_the_wire():
     methods = {m for m in vars(Registry) if not m.startswith("_")}
     assert methods <= set(wire.OPS)
     assert {op for op, spec in wire.OPS.items() if spec.mutates} == {
-        "begin", "commit", "abort", "retire", "reclaim", "acquire", "renew", "release", "report_serving"}
+        "begin",
+        "commit",
+        "abort",
+        "retire",
+        "reclaim",
+        "acquire",
+        "renew",
+        "release",
+        "report_serving",
+    }
 
 
 def test_replay_window_accepts_each_nonce_once_and_only_in_time():
@@ -211,7 +220,10 @@ def test_registry_types_cross_the_wire_and_are_checked():
     assert Lease.from_dict(json.loads(json.dumps(lease.to_dict()))) == lease
     status = RegistryStatus(
         4,
-        (VersionInfo(4, VersionState.READY, "t", 1, 256, 1.5, 1), VersionInfo(3, VersionState.ABORTED, "t", 0, None, 2.0, 0, "boom")),
+        (
+            VersionInfo(4, VersionState.READY, "t", 1, 256, 1.5, 1),
+            VersionInfo(3, VersionState.ABORTED, "t", 0, None, 2.0, 0, "boom"),
+        ),
         (LeaseInfo("abc-1", 4, "r0", 4.5),),
         {"r0": 3},
     )
@@ -224,7 +236,9 @@ def test_registry_types_cross_the_wire_and_are_checked():
 
 
 def test_manifests_fit_the_message_limit_with_room_to_spare():
-    specs = [TensorSpec(f"model.layers.{i // 10}.mlp.part_{i % 10}.weight", "bfloat16", (4096, 1024)) for i in range(2000)]
+    specs = [
+        TensorSpec(f"model.layers.{i // 10}.mlp.part_{i % 10}.weight", "bfloat16", (4096, 1024)) for i in range(2000)
+    ]
     layout = plan_layout(specs)
     manifest = Manifest(1, layout, "nixl", b"\0" * 4096, 0, "trainer", digests=["0" * 32] * len(layout.buckets))
     frames = wire.encode_request(KEY, wire.Request("r", "commit", {"manifest": manifest.to_dict()}, "e"))
@@ -263,5 +277,12 @@ def test_connect_registry_picks_by_address(monkeypatch):
 def test_only_loopback_is_loopback():
     from weightpull.drivers.zmq_registry.server import is_loopback
 
-    assert all(map(is_loopback, ["tcp://127.0.0.1:1", "tcp://127.9.9.9:0", "tcp://[::1]:5", "tcp://localhost:5", "ipc:///tmp/x"]))
-    assert not any(map(is_loopback, ["tcp://0.0.0.0:1", "tcp://*:5", "tcp://10.1.2.3:5", "tcp://eth0:5", "tcp://example.com:5"]))
+    assert all(
+        map(
+            is_loopback,
+            ["tcp://127.0.0.1:1", "tcp://127.9.9.9:0", "tcp://[::1]:5", "tcp://localhost:5", "ipc:///tmp/x"],
+        )
+    )
+    assert not any(
+        map(is_loopback, ["tcp://0.0.0.0:1", "tcp://*:5", "tcp://10.1.2.3:5", "tcp://eth0:5", "tcp://example.com:5"])
+    )

@@ -58,7 +58,7 @@ async def test_versions_alternate_between_two_mirrors_and_a_torn_pull_goes_no_fu
 
 
 def test_the_mirrors_go_where_the_spec_says():
-    """"cuda" is the worker's own GPU; a worker without one is told so up front."""
+    """ "cuda" is the worker's own GPU; a worker without one is told so up front."""
     import torch
 
     from weightpull.errors import InvalidArgumentError

@@ -23,7 +23,10 @@ PLAIN = Manifest(3, LAYOUT, "fake", b"src", 1, "p", digests=["0" * 32] * len(LAY
 LEASE = Lease("abc-1", 3, "r0", 5.5, 12.5)
 STATUS = RegistryStatus(
     4,
-    (VersionInfo(4, VersionState.READY, "t", 1, 256, 1.5, 1), VersionInfo(3, VersionState.ABORTED, "t", 0, None, 2.5, 0, "boom")),
+    (
+        VersionInfo(4, VersionState.READY, "t", 1, 256, 1.5, 1),
+        VersionInfo(3, VersionState.ABORTED, "t", 0, None, 2.5, 0, "boom"),
+    ),
     (LeaseInfo("abc-1", 4, "r0", 4.5),),
     {"r0": 3},
 )
@@ -32,30 +35,85 @@ STATUS = RegistryStatus(
 # schema: the served registry talks to older peers within a release.
 FORMS = [
     (LEASE, {"id": "abc-1", "version": 3, "holder": "r0", "ttl": 5.5, "expires_at": 12.5}),
-    (STATUS, {
-        "newest_ready": 4,
-        "versions": [
-            {"version": 4, "state": "READY", "publisher": "t", "slot": 1, "nbytes": 256, "age": 1.5, "live_leases": 1, "reason": ""},
-            {"version": 3, "state": "ABORTED", "publisher": "t", "slot": 0, "nbytes": None, "age": 2.5, "live_leases": 0,
-             "reason": "boom"},
-        ],
-        "leases": [{"id": "abc-1", "version": 4, "holder": "r0", "expires_in": 4.5}],
-        "serving": {"r0": 3},
-    }),
-    (STATUS.versions[0], {"version": 4, "state": "READY", "publisher": "t", "slot": 1, "nbytes": 256, "age": 1.5,
-                          "live_leases": 1, "reason": ""}),
+    (
+        STATUS,
+        {
+            "newest_ready": 4,
+            "versions": [
+                {
+                    "version": 4,
+                    "state": "READY",
+                    "publisher": "t",
+                    "slot": 1,
+                    "nbytes": 256,
+                    "age": 1.5,
+                    "live_leases": 1,
+                    "reason": "",
+                },
+                {
+                    "version": 3,
+                    "state": "ABORTED",
+                    "publisher": "t",
+                    "slot": 0,
+                    "nbytes": None,
+                    "age": 2.5,
+                    "live_leases": 0,
+                    "reason": "boom",
+                },
+            ],
+            "leases": [{"id": "abc-1", "version": 4, "holder": "r0", "expires_in": 4.5}],
+            "serving": {"r0": 3},
+        },
+    ),
+    (
+        STATUS.versions[0],
+        {
+            "version": 4,
+            "state": "READY",
+            "publisher": "t",
+            "slot": 1,
+            "nbytes": 256,
+            "age": 1.5,
+            "live_leases": 1,
+            "reason": "",
+        },
+    ),
     (STATUS.leases[0], {"id": "abc-1", "version": 4, "holder": "r0", "expires_in": 4.5}),
-    (LAYOUT, {"tensors": [["w", "float32", [4, 2]], ["b", "bfloat16", [4]]], "bucket_bytes": 64, "align": 256,
-              "signature": LAYOUT.signature}),
+    (
+        LAYOUT,
+        {
+            "tensors": [["w", "float32", [4, 2]], ["b", "bfloat16", [4]]],
+            "bucket_bytes": 64,
+            "align": 256,
+            "signature": LAYOUT.signature,
+        },
+    ),
     (SHARDS[1], {"index": 1, "count": 2, "publisher": "p1", "slot": 1, "source": "czE=", "rows": [[2, 4], [2, 4]]}),
-    (PLAIN, {
-        "version": 3, "layout": LAYOUT.to_dict(), "transport": "fake", "source": "c3Jj", "slot": 1, "publisher": "p",
-        "digests": ["0" * 32] * len(LAYOUT.buckets),
-    }),
-    (Manifest(3, LAYOUT, "fake", b"s0", 0, "p0", shards=SHARDS), {
-        "version": 3, "layout": LAYOUT.to_dict(), "transport": "fake", "source": "czA=", "slot": 0, "publisher": "p0",
-        "digests": None, "shards": [s.to_dict() for s in SHARDS],
-    }),
+    (
+        PLAIN,
+        {
+            "version": 3,
+            "layout": LAYOUT.to_dict(),
+            "transport": "fake",
+            "source": "c3Jj",
+            "slot": 1,
+            "publisher": "p",
+            "digests": ["0" * 32] * len(LAYOUT.buckets),
+        },
+    ),
+    (
+        Manifest(3, LAYOUT, "fake", b"s0", 0, "p0", shards=SHARDS),
+        {
+            "version": 3,
+            "layout": LAYOUT.to_dict(),
+            "transport": "fake",
+            "source": "czA=",
+            "slot": 0,
+            "publisher": "p0",
+            "digests": None,
+            "shards": [s.to_dict() for s in SHARDS],
+        },
+    ),
 ]
 
 
@@ -103,7 +161,7 @@ def mutations(data, path):
         yield {"0": data[0]} if data else {}, path, "type"
         for i, value in enumerate(data):
             for changed, at, kind in mutations(value, f"{path}[{i}]"):
-                yield [*data[:i], changed, *data[i + 1:]], at, kind
+                yield [*data[:i], changed, *data[i + 1 :]], at, kind
     elif type(data) in WRONG:
         for wrong in WRONG[type(data)]:
             if wrong is None and _generic(path) in MAY_BE_NULL:
@@ -124,7 +182,11 @@ def test_every_wrong_value_is_refused_naming_the_class_and_field(cls, data, path
         cls.from_dict(json.loads(json.dumps(data)))
     message = str(info.value)
     assert message.startswith(f"malformed {schema._noun(cls)}: ")
-    words = {"extra": f"{path} has unexpected keys ['unknown']", "missing": f"{path} is missing", "type": f"{path} must be"}
+    words = {
+        "extra": f"{path} has unexpected keys ['unknown']",
+        "missing": f"{path} is missing",
+        "type": f"{path} must be",
+    }
     assert words[kind] in message, message
 
 
@@ -176,8 +238,14 @@ seconds = st.floats(-1e12, 1e12, allow_nan=False)
 @st.composite
 def layouts(draw, sharded=False):
     shapes = st.lists(st.integers(0, 6), min_size=1 if sharded else 0, max_size=3).map(tuple)
-    specs = draw(st.lists(st.tuples(names, st.sampled_from(sorted(DTYPE_SIZES)), shapes), min_size=1, max_size=5,
-                          unique_by=lambda t: t[0]))
+    specs = draw(
+        st.lists(
+            st.tuples(names, st.sampled_from(sorted(DTYPE_SIZES)), shapes),
+            min_size=1,
+            max_size=5,
+            unique_by=lambda t: t[0],
+        )
+    )
     bucket = draw(st.sampled_from([64, 1024, 1 << 20]))
     return plan_layout([TensorSpec(*s) for s in specs], bucket_bytes=bucket, align=draw(st.sampled_from([1, 64, 256])))
 
@@ -188,25 +256,48 @@ def manifests(draw):
         layout = draw(layouts(sharded=True))
         count = draw(st.integers(1, 3))
         shards = [
-            Shard(i, count, f"p{i}", i, draw(st.binary(max_size=16)), tuple(chunk_rows(s.shape[0], i, count) for s in layout.specs))
+            Shard(
+                i,
+                count,
+                f"p{i}",
+                i,
+                draw(st.binary(max_size=16)),
+                tuple(chunk_rows(s.shape[0], i, count) for s in layout.specs),
+            )
             for i in range(count)
         ]
         first = shards[0]
         return Manifest(draw(counts), layout, "fake", first.source, first.slot, first.publisher, shards=shards)
     layout = draw(layouts())
     digests = draw(st.none() | st.just([f"{i:032x}" for i in range(len(layout.buckets))]))
-    return Manifest(draw(counts), layout, draw(names), draw(st.binary(max_size=64)), draw(counts), draw(names), digests=digests)
+    return Manifest(
+        draw(counts), layout, draw(names), draw(st.binary(max_size=64)), draw(counts), draw(names), digests=digests
+    )
 
 
-version_infos = st.builds(VersionInfo, counts, st.sampled_from(VersionState), names, counts, st.none() | counts, seconds,
-                          counts, st.text(max_size=20))
+version_infos = st.builds(
+    VersionInfo,
+    counts,
+    st.sampled_from(VersionState),
+    names,
+    counts,
+    st.none() | counts,
+    seconds,
+    counts,
+    st.text(max_size=20),
+)
 lease_infos = st.builds(LeaseInfo, names, counts, names, seconds)
 RECORDS = {
     "Lease": st.builds(Lease, names, counts, names, seconds, seconds),
     "VersionInfo": version_infos,
     "LeaseInfo": lease_infos,
-    "RegistryStatus": st.builds(RegistryStatus, st.none() | counts, st.lists(version_infos, max_size=3).map(tuple),
-                                st.lists(lease_infos, max_size=3).map(tuple), st.dictionaries(names, counts, max_size=3)),
+    "RegistryStatus": st.builds(
+        RegistryStatus,
+        st.none() | counts,
+        st.lists(version_infos, max_size=3).map(tuple),
+        st.lists(lease_infos, max_size=3).map(tuple),
+        st.dictionaries(names, counts, max_size=3),
+    ),
     "Layout": layouts(),
     "Manifest": manifests(),
 }
@@ -228,7 +319,16 @@ def test_every_record_round_trips_through_json(kind):
 
 def test_wire_forms_refuse_wrong_values_as_malformed_messages():
     wire = pytest.importorskip("weightpull.drivers.zmq_registry.wire")
-    body = {"wp": 1, "type": "request", "id": "r1", "nonce": "n" * 16, "ts": 1.5, "epoch": None, "op": "ping", "args": {}}
+    body = {
+        "wp": 1,
+        "type": "request",
+        "id": "r1",
+        "nonce": "n" * 16,
+        "ts": 1.5,
+        "epoch": None,
+        "op": "ping",
+        "args": {},
+    }
     assert schema.structure(body, wire.RequestBody, MalformedMessageError).epoch is None
     for key, wrong in [("id", 7), ("id", ""), ("ts", True), ("ts", "1"), ("nonce", None), ("op", 3.5), ("args", [])]:
         with pytest.raises(MalformedMessageError, match=f"malformed request body: RequestBody.{key} must be"):
@@ -239,8 +339,18 @@ def test_wire_forms_refuse_wrong_values_as_malformed_messages():
     for shard in [None, [2, 2], [0, True], [0], "0,2"]:  # optional: absent, never null
         with pytest.raises(MalformedMessageError, match=r"BeginArgs.shard(\[1\])? must be"):
             wire.check_args(attrs.evolve(begin, args={**begin.args, "shard": shard}))
-    reply = {"wp": 1, "type": "reply", "id": None, "re": None, "nonce": "n" * 16, "ts": 1.0, "epoch": "e", "ok": False,
-             "result": None, "error": {"type": "X", "message": "m", "more": 1}}
+    reply = {
+        "wp": 1,
+        "type": "reply",
+        "id": None,
+        "re": None,
+        "nonce": "n" * 16,
+        "ts": 1.0,
+        "epoch": "e",
+        "ok": False,
+        "result": None,
+        "error": {"type": "X", "message": "m", "more": 1},
+    }
     with pytest.raises(MalformedMessageError, match=r"ReplyBody.error has unexpected keys \['more'\]"):
         schema.structure(reply, wire.ReplyBody, MalformedMessageError)
     raw = json.dumps({**reply, "error": None}).encode()

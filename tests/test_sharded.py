@@ -270,8 +270,10 @@ async def test_sharded_versions_cross_the_served_registry_and_survive_its_restar
     clients = [ZmqRegistry(server.address, secret=SECRET, timeout=0.5, heartbeat=0.05) for _ in range(3)]
     try:
         fabric = FakeFabric()
-        pubs = [Publisher(clients[i], FakeTransport(fabric=fabric), rollout_dtype=None, bucket_bytes=2048,
-                          name=f"rank{i}") for i in range(2)]
+        pubs = [
+            Publisher(clients[i], FakeTransport(fabric=fabric), rollout_dtype=None, bucket_bytes=2048, name=f"rank{i}")
+            for i in range(2)
+        ]
         puller = Puller(clients[2], FakeTransport(fabric=fabric), ttl=5.0)
         for v in (1, 2):
             for i in range(2):

@@ -36,8 +36,15 @@ def test_prompts_are_tagged_with_the_oldest_version_still_fresh():
     assert clock.min_weight_version() == 5
 
 
-@pytest.mark.parametrize("bad", [lambda: StalenessClock(-1), lambda: StalenessClock(1, now=3).advance(2),
-                                 lambda: Trajectory("p", (), ()), lambda: Group("g", [])])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: StalenessClock(-1),
+        lambda: StalenessClock(1, now=3).advance(2),
+        lambda: Trajectory("p", (), ()),
+        lambda: Group("g", []),
+    ],
+)
 def test_bad_values_are_refused(bad):
     with pytest.raises(InvalidArgumentError):
         bad()

@@ -15,8 +15,8 @@ from weightpull import (
     InvalidArgumentError,
     Manifest,
     NoProgressError,
-    PullError,
     Puller,
+    PullError,
     create_transport,
 )
 from weightpull.drivers.fake import FakeFaults, FakeTransport
@@ -25,6 +25,7 @@ from weightpull.drivers.faulty import Faults, FaultyTransport
 from .conftest import autojump, host_tensors
 
 pytestmark = pytest.mark.anyio
+
 
 async def live_leases(world):
     return (await world.registry.status()).leases
@@ -155,8 +156,12 @@ async def test_nixl_pull_from_a_publisher_process(serve):
     pytest.importorskip("numpy")
     if create_transport("nixl").unavailable_reason():
         pytest.skip("nixl cannot load here")
-    proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, "serve" if serve else "idle"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, "serve" if serve else "idle"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = await anyio.to_thread.run_sync(proc.stdout.readline)
         assert line, "the publisher process died"

@@ -37,12 +37,28 @@ def test_a_third_party_driver_runs_the_conformance_suite(tmp_path):
     info = tmp_path / "memcopy_driver-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: memcopy-driver\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[weightpull.transports]\nmemcopy = memcopy_driver:MemCopyTransport\n\n"
-                                           "[weightpull.conformance_kits]\nmemcopy = memcopy_driver:kit\n")
+    (info / "entry_points.txt").write_text(
+        "[weightpull.transports]\nmemcopy = memcopy_driver:MemCopyTransport\n\n"
+        "[weightpull.conformance_kits]\nmemcopy = memcopy_driver:kit\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "WEIGHTPULL_DRIVERS": "memcopy"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                          "weightpull.drivers.testing.conformance_suite"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "weightpull.drivers.testing.conformance_suite",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "10 passed" in run.stdout and "skipped" not in run.stdout
 

@@ -54,8 +54,16 @@ def test_fingerprints_are_exact_and_see_a_changed_or_moved_word():
     a = torch.randn(1000, 128, dtype=torch.bfloat16)
     changed = a.clone()
     changed.view(-1)[777] += 1
-    sums = fingerprints({"a": a, "same": a.clone(), "changed": changed, "rolled": torch.roll(a, 1, 0),
-                         "empty": torch.empty(0), "three_bytes": torch.ones(3, dtype=torch.uint8)})
+    sums = fingerprints(
+        {
+            "a": a,
+            "same": a.clone(),
+            "changed": changed,
+            "rolled": torch.roll(a, 1, 0),
+            "empty": torch.empty(0),
+            "three_bytes": torch.ones(3, dtype=torch.uint8),
+        }
+    )
     assert sums["a"] == sums["same"] and sums["a"] != sums["changed"] and sums["a"] != sums["rolled"]
     assert sums["empty"] == 0 and sums["three_bytes"] == 1 + 2 + 3  # each byte times its place, plus 1
     n, period = 3 * 65521 * 256 + 5, 65521  # several chunks

@@ -62,11 +62,13 @@ def test_register_refuses_duplicates_and_non_transports():
 
 def test_third_party_drivers_load_through_entry_points(tmp_path):
     """A real installed distribution's entry point, discovered in a fresh interpreter."""
-    (tmp_path / "acme_transport.py").write_text(textwrap.dedent("""
+    (tmp_path / "acme_transport.py").write_text(
+        textwrap.dedent("""
         from weightpull.drivers.fake import FakeTransport
         class AcmeTransport(FakeTransport):
             name = "acme"
-    """))
+    """)
+    )
     dist = tmp_path / "acme_transport-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-transport\nVersion: 1.0\n")

@@ -111,8 +111,9 @@ async def cluster(tmp_path_factory):
 
         async def replica(fleet, name, dtype, mode) -> None:
             spec = PullSpec(fleet.address, name, transport="nixl", ttl=5.0)
-            async with open_replica(name, str(path), fleet.registry, spec, sampling_params=GREEDY, pause_mode=mode,
-                                    dtype=dtype, **common) as r:
+            async with open_replica(
+                name, str(path), fleet.registry, spec, sampling_params=GREEDY, pause_mode=mode, dtype=dtype, **common
+            ) as r:
                 r.agent.retry_delay = 0.05
                 fleet.replicas[name] = r
                 tg.start_soon(run_agent, r.agent)

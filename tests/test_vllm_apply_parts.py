@@ -52,7 +52,9 @@ def test_an_empty_tensor_needs_no_reading_and_tied_conflicts_are_named():
 
 def test_tied_parameters_name_the_head_and_the_embedding_both_ways():
     assert tied_parameters(make_model("llama-tied")) == {
-        "model.embed_tokens.weight": ["lm_head.weight"], "lm_head.weight": ["model.embed_tokens.weight"]}
+        "model.embed_tokens.weight": ["lm_head.weight"],
+        "lm_head.weight": ["model.embed_tokens.weight"],
+    }
     assert tied_parameters(make_model("llama")) == {}
 
 

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_vllm_demo_json():
-    proc = subprocess.run([sys.executable, "-m", "weightpull", "demo", "--engine", "vllm", "--versions", "3", "--json"],
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightpull", "demo", "--engine", "vllm", "--versions", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["ok"] is True, summary["checks"]

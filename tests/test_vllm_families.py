@@ -41,4 +41,7 @@ def test_compare_names_each_difference():
     other = [dict(r) for r in run]
     other[2] = {"tokens": [1, 3], "logprob": -1.5, "cached": 96}
     assert compare(run, [dict(r, cached=96) for r in run]) == []
-    assert compare(run, other) == ["long-again: tokens [1, 3] != [1, 2]", "long-again: first-token logprob -1.5 != -1.0"]
+    assert compare(run, other) == [
+        "long-again: tokens [1, 3] != [1, 2]",
+        "long-again: first-token logprob -1.5 != -1.0",
+    ]

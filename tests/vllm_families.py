@@ -42,8 +42,14 @@ PROMPTS = {"short": SHORT, "long": LONG, "long-again": LONG}  # in this order: t
 TOKENS = 12
 # block_size: the CPU backend's default is 128, so a 100-token prompt would fill no block
 # and nothing would ever be served from the prefix cache. Pass the same to engines under test.
-ENGINE = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20,
-              max_model_len=256, block_size=32)
+ENGINE = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    skip_tokenizer_init=True,
+    kv_cache_memory_bytes=32 << 20,
+    max_model_len=256,
+    block_size=32,
+)
 
 
 def sampling_params(tokens: int = TOKENS) -> Any:
@@ -64,7 +70,9 @@ def serve(llm: Any, tokens: int = TOKENS) -> list[dict[str, Any]]:
     from vllm.inputs import TokensPrompt
 
     params = sampling_params(tokens)
-    return [result(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]) for p in PROMPTS.values()]
+    return [
+        result(llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]) for p in PROMPTS.values()
+    ]
 
 
 async def serve_async(llm: Any, tokens: int = TOKENS, request_prefix: str = "ref") -> list[dict[str, Any]]:
@@ -76,9 +84,9 @@ async def serve_async(llm: Any, tokens: int = TOKENS, request_prefix: str = "ref
     params, results = sampling_params(tokens), []
     for name, prompt in PROMPTS.items():
         final = None
-        async for final in llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                        request_id=f"{request_prefix}-{name}-{uuid.uuid4().hex[:8]}"):
-            pass
+        request_id = f"{request_prefix}-{name}-{uuid.uuid4().hex[:8]}"
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
+            final = output  # the last holds the whole completion
         results.append(result(final))
     return results
 
@@ -94,8 +102,13 @@ def compare(expected: list[dict[str, Any]], got: list[dict[str, Any]], logprob_t
     return diffs
 
 
-def save_versions(family: str, root: str | Path, versions: tuple[int, ...] = (1, 2), seed: int = 0,
-                  dtype: torch.dtype = torch.bfloat16) -> tuple[Any, dict[str, torch.Tensor], dict[int, Path]]:
+def save_versions(
+    family: str,
+    root: str | Path,
+    versions: tuple[int, ...] = (1, 2),
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Any, dict[str, torch.Tensor], dict[int, Path]]:
     """The family's model (left holding the last version), its base weights, and a
     checkpoint directory per version, `root/<family>-v<version>`, cast to `dtype`."""
     model = make_model(family, seed)
@@ -119,7 +132,9 @@ def references(paths: list[str | Path], tokens: int = TOKENS, timeout: float = 3
     """A fresh engine's results on each checkpoint, keyed by `str(path)`: one subprocess."""
     cmd = [sys.executable, "-m", "tests.vllm_families", "--tokens", str(tokens), *map(str, paths)]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parent.parent)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=Path(__file__).parent.parent
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the reference engine failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["results"]

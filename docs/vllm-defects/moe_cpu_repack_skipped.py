@@ -16,4 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reload_vs_fresh import main  # noqa: E402
 
 if __name__ == "__main__":
-    main("qwen3_moe", tie=False, names="state_dict" if "--names=state_dict" in sys.argv or "state_dict" in sys.argv else "checkpoint")
+    main(
+        "qwen3_moe",
+        tie=False,
+        names="state_dict" if "--names=state_dict" in sys.argv or "state_dict" in sys.argv else "checkpoint",
+    )

@@ -25,13 +25,27 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in th
 
 import torch  # noqa: E402
 
-COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=64, vocab_size=1024, max_position_embeddings=512,
-              initializer_range=0.2)
+COMMON = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
 EXTRA = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)}
 # block_size 32: the CPU default (128) would leave a 100-token prompt out of the prefix cache
-ENGINE = dict(dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20,
-              max_model_len=256, block_size=32)
+ENGINE = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    skip_tokenizer_init=True,
+    kv_cache_memory_bytes=32 << 20,
+    max_model_len=256,
+    block_size=32,
+)
 PROMPTS = {"short": [1, 5, 9, 22, 100, 7], "long": [(7 * i + 3) % 1000 + 1 for i in range(100)]}
 PROMPTS["long-again"] = PROMPTS["long"]  # a prefix-cache hit
 
@@ -91,8 +105,10 @@ def main(model_type: str, tie: bool, names: str, repack: bool = False) -> bool:
         weights = load_file(f"{root}/v2/model.safetensors")
     else:  # v2 is still loaded; the bf16 round trip above is exact
         weights = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    print(f"v2 as {names} names: {len(weights)} tensors, lm_head.weight {'in' if 'lm_head.weight' in weights else 'NOT in'} them; "
-          f"e.g. {[k for k in weights if 'layers.0.mlp' in k][:3]}")
+    print(
+        f"v2 as {names} names: {len(weights)} tensors, lm_head.weight {'in' if 'lm_head.weight' in weights else 'NOT in'} them; "
+        f"e.g. {[k for k in weights if 'layers.0.mlp' in k][:3]}"
+    )
 
     llm = LLM(model=f"{root}/v1", **ENGINE)
     greedy(llm)  # serve v1 first, as a replica does: fills the prefix cache
@@ -109,10 +125,12 @@ def main(model_type: str, tie: bool, names: str, repack: bool = False) -> bool:
     fresh.llm_engine.engine_core.shutdown()
 
     same = True
-    for name, (tokens, logprob), (want, want_logprob) in zip(PROMPTS, reloaded, expected):
+    for name, (tokens, logprob), (want, want_logprob) in zip(PROMPTS, reloaded, expected, strict=True):
         ok = tokens == want and logprob == want_logprob
         same &= ok
-        print(f"{name:10s} {'same' if ok else 'DIFFERS'}: reloaded {tokens} {logprob:.6f} | fresh v2 {want} {want_logprob:.6f}")
+        print(
+            f"{name:10s} {'same' if ok else 'DIFFERS'}: reloaded {tokens} {logprob:.6f} | fresh v2 {want} {want_logprob:.6f}"
+        )
     tag = f"{model_type}{' tied' if tie else ''} ({names} names{', experts repacked' if repack else ''})"
     print(f"{'SAME' if same else 'DIFFERS'}: {tag}, reloaded v2 vs fresh v2")
     return same

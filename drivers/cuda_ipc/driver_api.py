@@ -130,7 +130,11 @@ class DeviceMemory:
         self.pointer, self.nbytes, self.device = pointer.value, nbytes, device
         weakref.finalize(self, _free, pointer.value, device)
         self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (pointer.value, False), "version": 2, "strides": None,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer.value, False),
+            "version": 2,
+            "strides": None,
         }
 
 

@@ -32,7 +32,9 @@ class Import:
     mapped_host: bool = False
     connected: bool = True
     # what the owner exported: mapped once per process, however many remotes use it
-    key: str = attrs.field(init=False, default=attrs.Factory(lambda s: s.path if s.host else s.handle.hex(), takes_self=True))
+    key: str = attrs.field(
+        init=False, default=attrs.Factory(lambda s: s.path if s.host else s.handle.hex(), takes_self=True)
+    )
 
     @property
     def in_place(self) -> bool:
@@ -56,7 +58,9 @@ class Import:
 
 # Per process: an export is mapped once per (key, device) however many remotes use it (a
 # host slot once, device -1), and one exported by this very process is read in place.
-mapped: dict[tuple[str, int], list[int]] = {}  # -> [pointer, users]; a host slot's also the device that locked it, or -1
+mapped: dict[
+    tuple[str, int], list[int]
+] = {}  # -> [pointer, users]; a host slot's also the device that locked it, or -1
 own_exports: dict[str, int] = {}  # this process's exports: key -> base pointer
 _host_lock = threading.Lock()  # host slots are mapped from worker threads
 
@@ -74,8 +78,10 @@ def map_device(imp: Import, device: int) -> int:
         pointer = ctypes.c_uint64()
         with cu.on(device):
             handle = IpcHandle.from_buffer_copy(imp.handle)
-            cu.check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(pointer), handle, LAZY_ENABLE_PEER_ACCESS),
-                     f"opening a CUDA IPC handle on cuda:{device}")
+            cu.check(
+                cu.cuIpcOpenMemHandle_v2(ctypes.byref(pointer), handle, LAZY_ENABLE_PEER_ACCESS),
+                f"opening a CUDA IPC handle on cuda:{device}",
+            )
             span = cu.address_range(pointer.value)
         if span is None or span[1] < imp.offset + imp.exported:
             with cu.on(device):
@@ -98,14 +104,20 @@ def map_host(imp: Import, device: int) -> None:
         entry = mapped.get(key)
         if entry is None:
             if os.fstat(imp.fd).st_size < imp.offset + imp.exported:
-                raise RegionNotRegisteredError(f"the host slot's file is shorter than the {imp.exported} bytes exported")
+                raise RegionNotRegisteredError(
+                    f"the host slot's file is shorter than the {imp.exported} bytes exported"
+                )
             address = libc.map_read_only(imp.fd, imp.exported, imp.offset)
             cu = cuda()
             with cu.on(device):
                 result = cu.cuMemHostRegister_v2(address, imp.exported, HOSTREGISTER_PORTABLE | HOSTREGISTER_READ_ONLY)
             if result:  # still readable, through the driver's own bounce buffers: slower
-                warnings.warn(f"cuda_ipc: cannot page-lock a read-only host slot ({cu.error_name(result)}); "
-                              "reads from it run below DMA speed", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"cuda_ipc: cannot page-lock a read-only host slot ({cu.error_name(result)}); "
+                    "reads from it run below DMA speed",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             entry = mapped[key] = [address, 0, -1 if result else device]  # where it is pinned
         entry[1] += 1
         imp.mapped_host = True

@@ -50,8 +50,9 @@ class OwnerFile:
                 os.posix_fallocate(self.fd, 0, DATA_OFFSET + nbytes)
             except OSError as exc:
                 self.release(CLOSED)
-                raise TransportError(f"cannot reserve {nbytes} bytes of shared memory in {files_dir()}: "
-                                     f"{os.strerror(exc.errno or 0)}") from None
+                raise TransportError(
+                    f"cannot reserve {nbytes} bytes of shared memory in {files_dir()}: {os.strerror(exc.errno or 0)}"
+                ) from None
             self.data = mmap.mmap(self.fd, nbytes, offset=DATA_OFFSET) if nbytes else bytearray()
 
     def release(self, state: bytes) -> None:

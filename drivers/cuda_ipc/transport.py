@@ -126,7 +126,9 @@ class CudaIpcTransport(RegionTable, Transport):
                 reg = _Registration(flat.data_ptr(), flat.device.index)
                 return self._add(Region(nbytes=flat.numel(), device=where, memory=flat, handle=reg))
             if flat.device.type != "cpu" or device != "cpu":
-                raise InvalidArgumentError(f"cuda_ipc transport registers host or CUDA tensors, not {flat.device} as {device!r}")
+                raise InvalidArgumentError(
+                    f"cuda_ipc transport registers host or CUDA tensors, not {flat.device} as {device!r}"
+                )
             view = memoryview(flat.numpy()) if flat.numel() else memoryview(bytearray())
             region = Region(nbytes=flat.numel(), device="cpu", memory=flat, view=view)
             if flat.is_pinned():  # by its allocator: nothing to do, or undo
@@ -177,8 +179,10 @@ class CudaIpcTransport(RegionTable, Transport):
 
     def _export_host(self, region: Region, reg: _Registration) -> bytes:
         if reg.export is None or reg.export.data is None:
-            raise InvalidArgumentError("cuda_ipc exports host memory it allocated itself (shared memory a reader "
-                                       "can map): let this transport allocate the slot")
+            raise InvalidArgumentError(
+                "cuda_ipc exports host memory it allocated itself (shared memory a reader "
+                "can map): let this transport allocate the slot"
+            )
         reg.key = reg.export.path
         mappings.own_exports[reg.key] = reg.pointer
         return self._descriptor(reg, "host", "", DATA_OFFSET, region.nbytes)
@@ -194,7 +198,8 @@ class CudaIpcTransport(RegionTable, Transport):
             if result:
                 raise InvalidArgumentError(
                     f"CUDA cannot export that memory ({cu.error_name(result)}): CUDA IPC exports plain "
-                    "device allocations, not expandable segments; let this transport allocate the slot")
+                    "device allocations, not expandable segments; let this transport allocate the slot"
+                )
             reg.key, offset = bytes(raw).hex(), reg.pointer - base  # all 64 bytes, NULs too
             mappings.own_exports[reg.key] = base
         reg.export = OwnerFile(region.nbytes)
@@ -203,10 +208,19 @@ class CudaIpcTransport(RegionTable, Transport):
     @staticmethod
     def _descriptor(reg: _Registration, memory: str, handle: str, offset: int, nbytes: int) -> bytes:
         assert reg.export is not None
-        return json.dumps({
-            "cuda_ipc": 1, "memory": memory, "handle": handle, "offset": offset, "nbytes": nbytes,
-            "device": reg.device, "pid": os.getpid(), "boot": boot_id(), "file": reg.export.path,
-        }).encode()
+        return json.dumps(
+            {
+                "cuda_ipc": 1,
+                "memory": memory,
+                "handle": handle,
+                "offset": offset,
+                "nbytes": nbytes,
+                "device": reg.device,
+                "pid": os.getpid(),
+                "boot": boot_id(),
+                "file": reg.export.path,
+            }
+        ).encode()
 
     def connect(self, descriptor: bytes) -> Remote:
         self._check_open()
@@ -214,8 +228,13 @@ class CudaIpcTransport(RegionTable, Transport):
             d = json.loads(descriptor)
             handle, offset, nbytes = bytes.fromhex(d["handle"]), int(d["offset"]), int(d["nbytes"])
             pid, boot, path, host = int(d["pid"]), str(d["boot"]), str(d["file"]), d["memory"] == "host"
-            if (d["cuda_ipc"] != 1 or d["memory"] not in ("host", "device") or len(handle) not in ((0,) if host else (0, 64))
-                    or not os.path.basename(path).startswith(FILE_PREFIX) or offset % mmap.ALLOCATIONGRANULARITY * host):
+            if (
+                d["cuda_ipc"] != 1
+                or d["memory"] not in ("host", "device")
+                or len(handle) not in ((0,) if host else (0, 64))
+                or not os.path.basename(path).startswith(FILE_PREFIX)
+                or offset % mmap.ALLOCATIONGRANULARITY * host
+            ):
                 raise ValueError("unknown fields")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidArgumentError(f"not a cuda_ipc descriptor ({exc}): {bytes(descriptor[:80])!r}") from exc
@@ -225,7 +244,8 @@ class CudaIpcTransport(RegionTable, Transport):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise RegionNotRegisteredError(
-                "that region is no longer exported (deregistered, or its owner closed its transport)") from None
+                "that region is no longer exported (deregistered, or its owner closed its transport)"
+            ) from None
         _, exported = RECORD.unpack(os.pread(fd, RECORD.size, 0))
         imp = Import(handle, offset, exported, pid, fd, path, host)
         self._imports.add(imp)
@@ -266,8 +286,14 @@ class CudaIpcTransport(RegionTable, Transport):
                 if not nbytes:
                     continue
                 g = gathering.get(lane)
-                if (g and g[3] is remote.handle and g[4] is local and g[0] + g[2] == dst and g[1] + g[2] == src
-                        and g[2] + nbytes <= _MERGE_UP_TO):  # adjacent on both sides: one copy
+                if (
+                    g
+                    and g[3] is remote.handle
+                    and g[4] is local
+                    and g[0] + g[2] == dst
+                    and g[1] + g[2] == src
+                    and g[2] + nbytes <= _MERGE_UP_TO
+                ):  # adjacent on both sides: one copy
                     g[2] += nbytes
                     continue
                 if g:
@@ -284,11 +310,14 @@ class CudaIpcTransport(RegionTable, Transport):
         for lane, wait in last.items():
             if wait.result:
                 owners = sorted({r[0].handle.owner_pid for r in reads})
-                raise TransportError(f"reading {len(reads)} span(s) of regions of process(es) {owners} "
-                                     f"on cuda:{lane.device}: {cuda().error_name(wait.result)}")
+                raise TransportError(
+                    f"reading {len(reads)} span(s) of regions of process(es) {owners} "
+                    f"on cuda:{lane.device}: {cuda().error_name(wait.result)}"
+                )
 
-    def _route(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int,
-               checked: set[Import]) -> tuple[Lane, int, int]:
+    def _route(
+        self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int, checked: set[Import]
+    ) -> tuple[Lane, int, int]:
         """Check one read; return (the lane that copies it, destination, source)."""
         imp = remote.handle
         if not isinstance(imp, Import) or not imp.connected:
@@ -304,7 +333,9 @@ class CudaIpcTransport(RegionTable, Transport):
         lane = self._lanes.get(device)
         if lane is None:
             lane = self._lanes[device] = Lane(device)
-        base = mappings.map_device(imp, device) + (0 if imp.host else imp.offset) if nbytes else 0  # a host map starts at its offset
+        base = (
+            mappings.map_device(imp, device) + (0 if imp.host else imp.offset) if nbytes else 0
+        )  # a host map starts at its offset
         source = base + remote_offset if nbytes else 0
         return lane, reg.pointer + local_offset, source
 

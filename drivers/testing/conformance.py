@@ -239,9 +239,14 @@ def cuda_ipc_kit(slots: str = "cuda") -> Kit:
 
 
 KITS: dict[str, Callable[[], Kit]] = {
-    "fake": fake_kit, "nixl": nixl_kit, "torch": torch_kit,
-    "cuda_ipc": cuda_ipc_kit, "cuda_ipc_host": lambda: cuda_ipc_kit("cpu"),
+    "fake": fake_kit,
+    "nixl": nixl_kit,
+    "torch": torch_kit,
+    "cuda_ipc": cuda_ipc_kit,
+    "cuda_ipc_host": lambda: cuda_ipc_kit("cpu"),
 }
+
+
 def generic_kit(name: str) -> Kit:
     """Any driver `create_transport` knows, its peer in a process of its own."""
     return Kit(name, lambda: create_transport(name), lambda: ProcessPeer(name))

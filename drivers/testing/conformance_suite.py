@@ -50,6 +50,7 @@ def _needs(kit, what: str):
     if getattr(kit, what) is None:  # only a third party's generic kit lacks them
         pytest.skip(f"the {kit.name} kit has no `{what}`: register a Kit under weightpull.conformance_kits")
 
+
 SIZE = (1 << 20) + 12345  # not a multiple of any page or chunk
 
 

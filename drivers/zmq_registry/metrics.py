@@ -33,23 +33,32 @@ class StatusCollector:
     def collect(self) -> Iterator[Metric]:
         s = anyio.from_thread.run(self.server.registry.status, token=self.token)
         states = Counter(v.state for v in s.versions)
-        count = GaugeMetricFamily("weightpull_registry_versions", "Versions the registry holds, by state", labels=["state"])
+        count = GaugeMetricFamily(
+            "weightpull_registry_versions", "Versions the registry holds, by state", labels=["state"]
+        )
         for state in VersionState:
             if state is not VersionState.RECLAIMED:  # reclaimed records are dropped
                 count.add_metric([state.value], states[state])
         yield count
         if s.newest_ready is not None:
-            yield GaugeMetricFamily("weightpull_registry_newest_ready_version", "The newest READY version",
-                                    value=s.newest_ready)
+            yield GaugeMetricFamily(
+                "weightpull_registry_newest_ready_version", "The newest READY version", value=s.newest_ready
+            )
 
-        state = GaugeMetricFamily("weightpull_registry_version_state", "1 for each version, labelled with its "
-                                  "state and publisher", labels=["version", "state", "publisher"])
-        leases = GaugeMetricFamily("weightpull_registry_version_live_leases", "Live leases on each version",
-                                   labels=["version"])
-        nbytes = GaugeMetricFamily("weightpull_registry_version_bytes", "Bytes of each announced version",
-                                   labels=["version"])
-        age = GaugeMetricFamily("weightpull_registry_version_age_seconds", "Seconds since each version began",
-                                labels=["version"])
+        state = GaugeMetricFamily(
+            "weightpull_registry_version_state",
+            "1 for each version, labelled with its state and publisher",
+            labels=["version", "state", "publisher"],
+        )
+        leases = GaugeMetricFamily(
+            "weightpull_registry_version_live_leases", "Live leases on each version", labels=["version"]
+        )
+        nbytes = GaugeMetricFamily(
+            "weightpull_registry_version_bytes", "Bytes of each announced version", labels=["version"]
+        )
+        age = GaugeMetricFamily(
+            "weightpull_registry_version_age_seconds", "Seconds since each version began", labels=["version"]
+        )
         for v in s.versions:
             label = str(v.version)
             state.add_metric([label, v.state.value, v.publisher], 1)
@@ -60,16 +69,21 @@ class StatusCollector:
         yield from (state, leases, nbytes, age)
 
         yield GaugeMetricFamily("weightpull_registry_live_leases", "Live leases on every version", value=len(s.leases))
-        holders = GaugeMetricFamily("weightpull_registry_leases_by_holder", "Live leases each reader holds",
-                                    labels=["holder"])
+        holders = GaugeMetricFamily(
+            "weightpull_registry_leases_by_holder", "Live leases each reader holds", labels=["holder"]
+        )
         for holder, n in sorted(Counter(x.holder for x in s.leases).items()):
             holders.add_metric([holder], n)
         yield holders
 
-        serving = GaugeMetricFamily("weightpull_replica_serving_version", "The version each replica reported "
-                                    "serving", labels=["replica"])
-        behind = GaugeMetricFamily("weightpull_replica_versions_behind", "The newest READY version less the one "
-                                   "each replica serves", labels=["replica"])
+        serving = GaugeMetricFamily(
+            "weightpull_replica_serving_version", "The version each replica reported serving", labels=["replica"]
+        )
+        behind = GaugeMetricFamily(
+            "weightpull_replica_versions_behind",
+            "The newest READY version less the one each replica serves",
+            labels=["replica"],
+        )
         for replica, version in sorted(s.serving.items()):
             serving.add_metric([replica], version)
             if s.newest_ready is not None:
@@ -77,8 +91,9 @@ class StatusCollector:
         yield from (serving, behind)
 
         yield CounterMetricFamily("weightpull_registry_requests", "Requests answered", value=self.server.served)
-        yield CounterMetricFamily("weightpull_registry_refused", "Messages refused (framing, MAC, replay...)",
-                                  value=self.server.refused)
+        yield CounterMetricFamily(
+            "weightpull_registry_refused", "Messages refused (framing, MAC, replay...)", value=self.server.refused
+        )
 
 
 class MetricsEndpoint:

@@ -47,7 +47,7 @@ def is_loopback(endpoint: str) -> bool:
         return True
     if not endpoint.startswith("tcp://"):
         return False
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
     try:
@@ -136,7 +136,9 @@ class RegistryServer:
             sock.close(linger=0)
             ctx.term()
 
-    async def _handle(self, sock: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup, peer: bytes, frames: list[bytes]) -> None:
+    async def _handle(
+        self, sock: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup, peer: bytes, frames: list[bytes]
+    ) -> None:
         try:
             req = wire.decode_request(self.key, frames, max_bytes=self.max_message)
             self.window.admit(req.nonce, req.ts, time.time())
@@ -170,7 +172,10 @@ class RegistryServer:
             outcome = {"ok": False, "error": wire.error_to_dict(exc)}
         except Exception as exc:  # a bug: the client hears of it too
             log.exception("internal error in %s", req.op)
-            outcome = {"ok": False, "error": {"type": "RegistryError", "message": f"internal error in {req.op}: {exc!r}"}}
+            outcome = {
+                "ok": False,
+                "error": {"type": "RegistryError", "message": f"internal error in {req.op}: {exc!r}"},
+            }
         if cache:
             self.replies.put(req, outcome)
         self.served += 1

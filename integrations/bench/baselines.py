@@ -164,7 +164,9 @@ def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], Non
     procs = []
     for rank, peer in ((0, a), (1, b)):  # a pipe each: two writers could interleave long messages
         out, child_out = ctx.Pipe(duplex=False)
-        procs.append(ctx.Process(target=rank_main, args=(rank, kind, preset, updates, port, peer, child_out), daemon=True))
+        procs.append(
+            ctx.Process(target=rank_main, args=(rank, kind, preset, updates, port, peer, child_out), daemon=True)
+        )
         procs[-1].start()
         child_out.close()
         outs.append(out)
@@ -202,7 +204,10 @@ def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], Non
     serving = [times[(1, u)][1] - times[(0, u)][0] for u in measured]
     nbytes = PRESETS[preset].bf16_bytes()
     return {
-        "name": kind, "what": KINDS[kind], "bucket_bytes": bucket_bytes(preset), "buckets": nbuckets,
+        "name": kind,
+        "what": KINDS[kind],
+        "bucket_bytes": bucket_bytes(preset),
+        "buckets": nbuckets,
         "update_gbps": gbps(nbytes, serving),
         "publish_block_ms": median_ms(block),
         "apply_pause_ms": median_ms(pause),

@@ -65,8 +65,10 @@ def sync(device: str) -> None:
 
 def make_tensors(preset: str, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
-    return {n: torch.empty(s, device=device, dtype=dtype).uniform_(-0.04, 0.04, generator=gen)  # faster than randn
-            for n, s in PRESETS[preset].shapes()}
+    return {
+        n: torch.empty(s, device=device, dtype=dtype).uniform_(-0.04, 0.04, generator=gen)  # faster than randn
+        for n, s in PRESETS[preset].shapes()
+    }
 
 
 def sums(tensors: dict[str, torch.Tensor]) -> list[int]:
@@ -91,8 +93,15 @@ def _train(conn: Any, setup: Setup) -> None:
     params = make_tensors(setup.preset, setup.device, torch.float32)
     transport = _trainer_transport(setup)
     specs = [spec_of(n, t, "bfloat16") for n, t in params.items()]
-    with SnapshotPublisher(InProcessRegistry(), transport, specs, device=setup.device, slot_device=setup.slot,
-                           num_slots=SLOTS, name=f"bench-trainer-{setup.transport}") as publisher:
+    with SnapshotPublisher(
+        InProcessRegistry(),
+        transport,
+        specs,
+        device=setup.device,
+        slot_device=setup.slot,
+        num_slots=SLOTS,
+        name=f"bench-trainer-{setup.transport}",
+    ) as publisher:
         conn.send(("ready",))
         while (msg := conn.recv())[0] == "publish":
             with torch.no_grad():
@@ -166,13 +175,24 @@ async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[st
             t = time.monotonic()
             apply(weights, mirror, setup.device)
             serving = time.monotonic()
-            rows.append({"block_s": blocking_s, "announce_s": announced_s, "pull_s": pull_s,
-                         "apply_s": serving - t, "serving_s": serving - started})
+            rows.append(
+                {
+                    "block_s": blocking_s,
+                    "announce_s": announced_s,
+                    "pull_s": pull_s,
+                    "apply_s": serving - t,
+                    "serving_s": serving - started,
+                }
+            )
             note(f"{name} v{version}: raw read")
             raw_s = await raw.seconds(manifest, pulled.region)  # after serving: off the clock
             rows[-1]["raw_s"] = raw_s
             tick(f"{name} v{version}")
-        h2d = [await to_device_seconds(puller.transport, pulled) for _ in range(3)] if hasattr(puller.transport, "to_device") else []
+        h2d = (
+            [await to_device_seconds(puller.transport, pulled) for _ in range(3)]
+            if hasattr(puller.transport, "to_device")
+            else []
+        )
     finally:
         raw.close()
         await puller.aclose()

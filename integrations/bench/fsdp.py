@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     params = [p for _, p in named_state(model)]
     results = []
     for mode in args.mode.split(","):
-        with FSDPPublisher(model, mode=mode, registry=InProcessRegistry(), transport=PinnedFake(),
-                           name=mode, num_slots=2) as publisher:
+        with FSDPPublisher(
+            model, mode=mode, registry=InProcessRegistry(), transport=PinnedFake(), name=mode, num_slots=2
+        ) as publisher:
             started = time.perf_counter()
             publisher.publish(0).result()  # registers the slot it takes: once per slot, not per step
             first_s = time.perf_counter() - started
@@ -74,16 +75,22 @@ def run(args: argparse.Namespace) -> list[dict]:
                 blocking.append(ticket.blocking_s)
             exact = _check(publisher, model, device, args.publishes) if args.verify else None
             nbytes = result.manifest.nbytes
-        results.append({
-            "mode": mode, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "tensors": len(params), "bf16_bytes": nbytes, "publishes": args.publishes,
-            "blocking_ms": [round(s * 1e3, 2) for s in blocking],
-            "blocking_median_ms": median_ms(blocking),
-            "blocking_max_ms": round(max(blocking) * 1e3, 2),
-            "metric_max_ms": round(publisher.blocking.max_s * 1e3, 2),
-            "announced_after_return_ms": [round(s * 1e3, 1) for s in background],
-            "first_publish_s": round(first_s, 2), "bit_exact": exact,
-        })
+        results.append(
+            {
+                "mode": mode,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "tensors": len(params),
+                "bf16_bytes": nbytes,
+                "publishes": args.publishes,
+                "blocking_ms": [round(s * 1e3, 2) for s in blocking],
+                "blocking_median_ms": median_ms(blocking),
+                "blocking_max_ms": round(max(blocking) * 1e3, 2),
+                "metric_max_ms": round(publisher.blocking.max_s * 1e3, 2),
+                "announced_after_return_ms": [round(s * 1e3, 1) for s in background],
+                "first_publish_s": round(first_s, 2),
+                "bit_exact": exact,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     dist.destroy_process_group()
     return results

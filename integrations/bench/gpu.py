@@ -53,7 +53,9 @@ def qwen3_8b_shapes() -> list[tuple[str, tuple[int, ...]]]:
 
 def make_tensors(shapes: list[tuple[str, tuple[int, ...]]], device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(seed)
-    return {name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) for name, shape in shapes}
+    return {
+        name: torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) for name, shape in shapes
+    }
 
 
 def mirror_checksums(layout: Layout, region: Any) -> dict[str, int]:
@@ -63,15 +65,22 @@ def mirror_checksums(layout: Layout, region: Any) -> dict[str, int]:
 # -- the publisher process (cuda_ipc) ---------------------------------------------------------
 
 
-async def _serve(conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]],
-                 slot_device: str) -> None:
+async def _serve(
+    conn: Any, bucket_sizes: list[int], device: str, shapes: list[tuple[str, tuple[int, ...]]], slot_device: str
+) -> None:
     tensors = make_tensors(shapes, device)
     sums = checksums(tensors)
     transport = create_transport("cuda_ipc")
     publishers, manifests = [], []
     for bucket_bytes in bucket_sizes:  # one slot per bucket size; the tensors are the same
-        publisher = Publisher(InProcessRegistry(), transport, rollout_dtype=None, bucket_bytes=bucket_bytes,
-                              device=slot_device, name=f"gpu-bench-{os.getpid()}")
+        publisher = Publisher(
+            InProcessRegistry(),
+            transport,
+            rollout_dtype=None,
+            bucket_bytes=bucket_bytes,
+            device=slot_device,
+            name=f"gpu-bench-{os.getpid()}",
+        )
         result = await publisher.publish(1, tensors)
         publishers.append(publisher)
         manifests.append(result.manifest.to_dict())
@@ -92,10 +101,21 @@ class PublisherProcess:
     `shapes` says otherwise) in a process of its own: one version, one slot per bucket size,
     on `slot_device` (default: `device`; "cpu" for host slots)."""
 
-    def __init__(self, bucket_sizes: list[int], device: str = "cuda:0",
-                 shapes: list[tuple[str, tuple[int, ...]]] | None = None, slot_device: str | None = None) -> None:
-        self.child = Child("the publisher process", _publisher_main, bucket_sizes, device, shapes or qwen3_8b_shapes(),
-                           slot_device or device)
+    def __init__(
+        self,
+        bucket_sizes: list[int],
+        device: str = "cuda:0",
+        shapes: list[tuple[str, tuple[int, ...]]] | None = None,
+        slot_device: str | None = None,
+    ) -> None:
+        self.child = Child(
+            "the publisher process",
+            _publisher_main,
+            bucket_sizes,
+            device,
+            shapes or qwen3_8b_shapes(),
+            slot_device or device,
+        )
 
     def ready(self) -> tuple[list[Manifest], dict[str, int]]:
         manifests, sums = self.child.expect("ready")
@@ -144,7 +164,7 @@ async def bench_cuda_ipc(bucket_sizes: list[int], repeat: int, say: Callable[[st
     try:
         manifests, want = await anyio.to_thread.run_sync(proc.ready)
         results = []
-        for bucket_bytes, manifest in zip(bucket_sizes, manifests):
+        for bucket_bytes, manifest in zip(bucket_sizes, manifests, strict=True):
             transport = create_transport("cuda_ipc")
             puller = Puller(await _registry_with(manifest), transport, device="cuda:0", ttl=60.0)
             pulled, seconds = await _timed_pulls(puller, repeat)
@@ -152,16 +172,26 @@ async def bench_cuda_ipc(bucket_sizes: list[int], repeat: int, say: Callable[[st
             nbytes = manifest.nbytes
             limit = copy_seconds(torch.empty_like(pulled.region.memory), pulled.region.memory, repeat)
             raw = await _whole_reads(transport, manifest, pulled.region, repeat)
-            results.append({
-                "setup": "cuda_ipc: GPU slot (publisher process) -> GPU mirror", "bucket_bytes": bucket_bytes,
-                "buckets": len(manifest.layout.buckets), "nbytes": nbytes, "pull_gbps": gbps(nbytes, seconds, 1),
-                "pull_s": [round(s, 5) for s in seconds], "limit": "device-to-device copy_ in one call",
-                "limit_gbps": gbps(nbytes, limit, 1), "exact": exact,
-                "raw": "the driver's one read of the whole slot, no weightpull", "raw_gbps": gbps(nbytes, raw, 1),
-            })
-            say(f"cuda_ipc, {bucket_bytes >> 20} MiB buckets: pull {results[-1]['pull_gbps']} GB/s "
+            results.append(
+                {
+                    "setup": "cuda_ipc: GPU slot (publisher process) -> GPU mirror",
+                    "bucket_bytes": bucket_bytes,
+                    "buckets": len(manifest.layout.buckets),
+                    "nbytes": nbytes,
+                    "pull_gbps": gbps(nbytes, seconds, 1),
+                    "pull_s": [round(s, 5) for s in seconds],
+                    "limit": "device-to-device copy_ in one call",
+                    "limit_gbps": gbps(nbytes, limit, 1),
+                    "exact": exact,
+                    "raw": "the driver's one read of the whole slot, no weightpull",
+                    "raw_gbps": gbps(nbytes, raw, 1),
+                }
+            )
+            say(
+                f"cuda_ipc, {bucket_bytes >> 20} MiB buckets: pull {results[-1]['pull_gbps']} GB/s "
                 f"(raw {results[-1]['raw_gbps']}, limit {results[-1]['limit_gbps']}), "
-                f"checksums {'match' if exact else 'DIFFER'}")
+                f"checksums {'match' if exact else 'DIFFER'}"
+            )
             await puller.aclose()
             await transport.aclose()
             torch.cuda.empty_cache()
@@ -187,13 +217,21 @@ async def bench_host_to_gpu(bucket_bytes: int, repeat: int, say: Callable[[str],
     shadow = staged._staged[pulled.region].host  # the pinned host mirror
     limit = copy_seconds(pulled.region.memory, shadow, repeat)
     result = {
-        "setup": f"host mirror -> GPU mirror ({type(staged).__name__} over fake)", "bucket_bytes": bucket_bytes,
-        "buckets": len(pulled.layout.buckets), "nbytes": nbytes, "copy_leg_gbps": gbps(nbytes, leg, 1),
-        "copy_leg_s": [round(s, 4) for s in leg], "pull_gbps": gbps(nbytes, seconds, 1),
-        "limit": "pinned host-to-device copy_ in one call", "limit_gbps": gbps(nbytes, limit, 1), "exact": exact,
+        "setup": f"host mirror -> GPU mirror ({type(staged).__name__} over fake)",
+        "bucket_bytes": bucket_bytes,
+        "buckets": len(pulled.layout.buckets),
+        "nbytes": nbytes,
+        "copy_leg_gbps": gbps(nbytes, leg, 1),
+        "copy_leg_s": [round(s, 4) for s in leg],
+        "pull_gbps": gbps(nbytes, seconds, 1),
+        "limit": "pinned host-to-device copy_ in one call",
+        "limit_gbps": gbps(nbytes, limit, 1),
+        "exact": exact,
     }
-    say(f"host -> GPU mirror: copy leg {result['copy_leg_gbps']} GB/s (limit {result['limit_gbps']}), whole pull "
-        f"{result['pull_gbps']} GB/s (the fake's host memcpy bounds it), checksums {'match' if exact else 'DIFFER'}")
+    say(
+        f"host -> GPU mirror: copy leg {result['copy_leg_gbps']} GB/s (limit {result['limit_gbps']}), whole pull "
+        f"{result['pull_gbps']} GB/s (the fake's host memcpy bounds it), checksums {'match' if exact else 'DIFFER'}"
+    )
     await puller.aclose()
     await publisher.aclose()
     return result
@@ -228,22 +266,31 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
     caught = checksums(weights) != checksums(mirror)
     nbytes = sum(t.numel() * t.element_size() for t in mirror.values())
     apply, check = statistics.median(apply_s), statistics.median(clone_s) + 2 * statistics.median(fingerprint_s)
-    result = {"bytes": nbytes, "apply_ms": round(apply * 1e3, 2), "clone_ms": round(statistics.median(clone_s) * 1e3, 2),
-              "fingerprint_ms": round(statistics.median(fingerprint_s) * 1e3, 2),
-              "fingerprint_gbps": round(nbytes / statistics.median(fingerprint_s) / 1e9, 1),
-              "check_ms": round(check * 1e3, 2), "check_over_apply": round(check / apply, 2),
-              "exact": exact and caught}
-    say(f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms "
+    result = {
+        "bytes": nbytes,
+        "apply_ms": round(apply * 1e3, 2),
+        "clone_ms": round(statistics.median(clone_s) * 1e3, 2),
+        "fingerprint_ms": round(statistics.median(fingerprint_s) * 1e3, 2),
+        "fingerprint_gbps": round(nbytes / statistics.median(fingerprint_s) / 1e9, 1),
+        "check_ms": round(check * 1e3, 2),
+        "check_over_apply": round(check / apply, 2),
+        "exact": exact and caught,
+    }
+    say(
+        f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms "
         f"(a clone {result['clone_ms']} ms + 2 fingerprints of {result['fingerprint_ms']} ms, "
         f"{result['fingerprint_gbps']} GB/s): {result['check_over_apply']}x the apply; "
-        f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}")
+        f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}"
+    )
     return result
 
 
 async def run(repeat: int, bucket_sizes: list[int], say: Callable[[str], None]) -> dict[str, Any]:
     shapes = qwen3_8b_shapes()
-    say(f"{len(shapes)} tensors, {sum(2 * math.prod(s) for _, s in shapes) / 1e9:.2f} GB in bf16 "
-        f"on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    say(
+        f"{len(shapes)} tensors, {sum(2 * math.prod(s) for _, s in shapes) / 1e9:.2f} GB in bf16 "
+        f"on {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    )
     return {
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "tensors": len(shapes),
@@ -255,5 +302,8 @@ async def run(repeat: int, bucket_sizes: list[int], say: Callable[[str], None]) 
 
 def ok(result: dict[str, Any]) -> bool:
     """Every pulled copy, and the check's fingerprints, exact."""
-    return (all(r["exact"] for r in result["cuda_ipc"]) and result["host_to_gpu"]["exact"]
-            and result["apply_check"]["exact"])
+    return (
+        all(r["exact"] for r in result["cuda_ipc"])
+        and result["host_to_gpu"]["exact"]
+        and result["apply_check"]["exact"]
+    )

@@ -75,8 +75,9 @@ def device_copy_seconds(nbytes: int, src: str, dst: str, repeat: int) -> tuple[s
     import torch
 
     def empty(where: str) -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu",
-                           pin_memory=where != "cuda")
+        return torch.empty(
+            nbytes, dtype=torch.uint8, device="cuda" if where == "cuda" else "cpu", pin_memory=where != "cuda"
+        )
 
     a, b = empty(src), empty(dst)
     return f"{_KINDS[src]}->{_KINDS[dst]} copy", timed(lambda: cuda_copy_seconds(b, a), repeat)
@@ -130,7 +131,10 @@ def for_path(limits: dict[str, Any], nbytes: int, slot: str, mirror: str) -> dic
         slot_gbps, pull_gbps, pull = limits["d2h_gbps"], limits["h2d_gbps"], "pinned host->GPU copy"
     else:
         slot_gbps, pull_gbps, pull = limits["d2d_gbps"], limits["d2d_gbps"], "GPU->GPU copy"
-    ms = {"publish_block_ms": limits["cast_ms"], "slot_copy_ms": round(nbytes / slot_gbps / 1e6, 2),
-          "pull_ms": round(nbytes / pull_gbps / 1e6, 2), "apply_pause_ms": limits["apply_copy_ms"]}
-    return {"pull_gbps": pull_gbps, "pull": pull, **ms,
-            "publish_to_serving_ms": round(sum(ms.values()), 2)}
+    ms = {
+        "publish_block_ms": limits["cast_ms"],
+        "slot_copy_ms": round(nbytes / slot_gbps / 1e6, 2),
+        "pull_ms": round(nbytes / pull_gbps / 1e6, 2),
+        "apply_pause_ms": limits["apply_copy_ms"],
+    }
+    return {"pull_gbps": pull_gbps, "pull": pull, **ms, "publish_to_serving_ms": round(sum(ms.values()), 2)}

@@ -47,8 +47,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-async def run(preset: str | None = None, transports: Iterable[str] | None = None, versions: int = 3,
-              with_baselines: bool = True, progress: Callable[[int], Progress] = Progress) -> dict[str, Any]:
+async def run(
+    preset: str | None = None,
+    transports: Iterable[str] | None = None,
+    versions: int = 3,
+    with_baselines: bool = True,
+    progress: Callable[[int], Progress] = Progress,
+) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     preset = preset or default_preset(cuda)
     if versions < 1:
@@ -74,12 +79,16 @@ async def run(preset: str | None = None, transports: Iterable[str] | None = None
             r = await run_flow(setup, tick, tick.note)
             _release(cuda)  # the next setup, or a baseline's processes, need this GPU's memory
             path = limits.for_path(lim, nbytes, setup.slot, "cpu" if not cuda else "cuda")
-            r.update({
-                "limit_gbps": path["pull_gbps"], "limit": path["pull"], "memcpy_gbps": lim["memcpy_gbps"],
-                "ratio_to_raw": _ratio(r["pull_gbps"], r["raw_gbps"]),
-                "ratio_to_limit": _ratio(r["pull_gbps"], path["pull_gbps"]),
-                "limits": {**lim, **path},
-            })
+            r.update(
+                {
+                    "limit_gbps": path["pull_gbps"],
+                    "limit": path["pull"],
+                    "memcpy_gbps": lim["memcpy_gbps"],
+                    "ratio_to_raw": _ratio(r["pull_gbps"], r["raw_gbps"]),
+                    "ratio_to_limit": _ratio(r["pull_gbps"], path["pull_gbps"]),
+                    "limits": {**lim, **path},
+                }
+            )
             results.append(r)
         base = []
         for kind, why in todo.items():
@@ -93,9 +102,16 @@ async def run(preset: str | None = None, transports: Iterable[str] | None = None
     head = results[0] if results else {"size_bytes": nbytes}
     return {  # the first transport's figures, as `--size` reports them, then the rest
         **head,
-        "preset": preset, "model": PRESETS[preset].model, "tensors": len(PRESETS[preset].shapes()),
-        "tensor_bytes": nbytes, "versions": versions, "device": device, "machine": machine(),
-        "limits": head.get("limits", lim), "baselines": base, "transports": results,
+        "preset": preset,
+        "model": PRESETS[preset].model,
+        "tensors": len(PRESETS[preset].shapes()),
+        "tensor_bytes": nbytes,
+        "versions": versions,
+        "device": device,
+        "machine": machine(),
+        "limits": head.get("limits", lim),
+        "baselines": base,
+        "transports": results,
     }
 
 
@@ -111,27 +127,58 @@ def table(r: dict[str, Any]) -> list[str]:
     """Rows for people: weightpull per transport, its limits, then the baselines."""
     lim = r["limits"]
     copies = ", ".join(f"{k.removesuffix('_gbps')} {v} GB/s" for k, v in lim.items() if k in limits.RATES)
-    lines = [f"{r['preset']} ({r['model']}): {r['tensors']} tensors, {r['tensor_bytes'] / 1e9:.2f} GB bf16 on {r['device']}; "
-             f"medians of {r['versions']} versions (after {SLOTS} to warm up; 1 for baselines)", f"machine: {r['machine']}",
-             f"copy limits measured now: {copies}"]
+    lines = [
+        f"{r['preset']} ({r['model']}): {r['tensors']} tensors, {r['tensor_bytes'] / 1e9:.2f} GB bf16 on {r['device']}; "
+        f"medians of {r['versions']} versions (after {SLOTS} to warm up; 1 for baselines)",
+        f"machine: {r['machine']}",
+        f"copy limits measured now: {copies}",
+    ]
     rows = [["", "publish block", "pull", "apply pause", "publish->serving", "pull/raw", "pull/limit", "exact"]]
     for t in r["transports"]:
         lm = t["limits"]
-        rows.append([f"weightpull {t['transport']} ({t['slot']} slot -> {t['mirror']} mirror)", _ms(t["publish_block_ms"]),
-                     _rate(t["pull_gbps"]), _ms(t["apply_pause_ms"]), _ms(t["publish_to_serving_ms"]),
-                     str(t["ratio_to_raw"]), str(t["ratio_to_limit"]), "yes" if t["byte_exact"] else "NO"])
-        rows.append([f"  limit ({lm['pull']})", _ms(lm["publish_block_ms"]), _rate(lm["pull_gbps"]),
-                     _ms(lm["apply_pause_ms"]), _ms(lm["publish_to_serving_ms"]), "", "", ""])
+        rows.append(
+            [
+                f"weightpull {t['transport']} ({t['slot']} slot -> {t['mirror']} mirror)",
+                _ms(t["publish_block_ms"]),
+                _rate(t["pull_gbps"]),
+                _ms(t["apply_pause_ms"]),
+                _ms(t["publish_to_serving_ms"]),
+                str(t["ratio_to_raw"]),
+                str(t["ratio_to_limit"]),
+                "yes" if t["byte_exact"] else "NO",
+            ]
+        )
+        rows.append(
+            [
+                f"  limit ({lm['pull']})",
+                _ms(lm["publish_block_ms"]),
+                _rate(lm["pull_gbps"]),
+                _ms(lm["apply_pause_ms"]),
+                _ms(lm["publish_to_serving_ms"]),
+                "",
+                "",
+                "",
+            ]
+        )
         rows.append([f"  raw ({t['raw']})", "", _rate(t["raw_gbps"]), "", "", "", "", ""])
     for b in r["baselines"]:
         if "skipped" in b:
             rows.append([f"baseline {b['name']}: skipped, {b['skipped']}", "", "", "", "", "", "", ""])
         else:
-            rows.append([f"baseline {b['name']} (push)", _ms(b["publish_block_ms"]), _rate(b["update_gbps"]),
-                         _ms(b["apply_pause_ms"]), _ms(b["publish_to_serving_ms"]), "", "",
-                         "yes" if b["byte_exact"] else "NO"])
+            rows.append(
+                [
+                    f"baseline {b['name']} (push)",
+                    _ms(b["publish_block_ms"]),
+                    _rate(b["update_gbps"]),
+                    _ms(b["apply_pause_ms"]),
+                    _ms(b["publish_to_serving_ms"]),
+                    "",
+                    "",
+                    "yes" if b["byte_exact"] else "NO",
+                ]
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return lines + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return lines + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def ok(r: dict[str, Any]) -> bool:

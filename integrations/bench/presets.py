@@ -67,11 +67,14 @@ class Preset:
         return sum(2 * math.prod(s) for _, s in self.shapes())
 
 
-PRESETS = {p.name: p for p in (
-    Preset("tiny", "a toy Qwen3 (for tests)", 2, 64, 128, 512, 4, 2, 16, tied=True),
-    Preset("0.6b", "Qwen3-0.6B", 28, 1024, 3072, 151936, 16, 8, 128, tied=True),
-    Preset("8b", "Qwen3-8B", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
-)}
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("tiny", "a toy Qwen3 (for tests)", 2, 64, 128, 512, 4, 2, 16, tied=True),
+        Preset("0.6b", "Qwen3-0.6B", 28, 1024, 3072, 151936, 16, 8, 128, tied=True),
+        Preset("8b", "Qwen3-8B", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
+    )
+}
 
 
 def default_preset(cuda: bool) -> str:

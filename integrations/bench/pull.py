@@ -89,8 +89,12 @@ def _tensors(cfg: BenchConfig, data: bytearray) -> dict[str, Any]:
 async def _publish(cfg: BenchConfig) -> tuple[Publisher, Manifest, str]:
     data = content(cfg.size)
     publisher = Publisher(
-        InProcessRegistry(), create_transport(cfg.transport, **cfg.options), rollout_dtype=None,
-        bucket_bytes=cfg.bucket_bytes, device=cfg.slot, name=f"bench-publisher-{os.getpid()}",
+        InProcessRegistry(),
+        create_transport(cfg.transport, **cfg.options),
+        rollout_dtype=None,
+        bucket_bytes=cfg.bucket_bytes,
+        device=cfg.slot,
+        name=f"bench-publisher-{os.getpid()}",
     )
     result = await publisher.publish(1, _tensors(cfg, data))
     assert result.manifest is not None and result.manifest.nbytes == cfg.size
@@ -158,11 +162,14 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
     limit_name, limit_s = "in-process memcpy", memcpy_s
     if gpu:
         dst = "cpu" if cfg.mirror == "cpu" else "cuda"  # staged ends on the GPU too
-        limit_name, limit_s = await anyio.to_thread.run_sync(limits.device_copy_seconds, cfg.size, cfg.slot, dst,
-                                                             cfg.repeat)
+        limit_name, limit_s = await anyio.to_thread.run_sync(
+            limits.device_copy_seconds, cfg.size, cfg.slot, dst, cfg.repeat
+        )
 
-    say(f"publishing {cfg.size / 2**20:.0f} MiB over {cfg.transport} "
-        f"({'in this process' if in_process else 'from a publisher process'}; slot on {cfg.slot})")
+    say(
+        f"publishing {cfg.size / 2**20:.0f} MiB over {cfg.transport} "
+        f"({'in this process' if in_process else 'from a publisher process'}; slot on {cfg.slot})"
+    )
     publisher_proc = None
     if in_process:
         publisher, manifest, want = await _publish(cfg)
@@ -187,8 +194,13 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
             from weightpull.integrations.torch_staging import HostStaged
 
             transport = HostStaged(transport)
-        puller = Puller(registry, transport, device="cpu" if cfg.mirror == "cpu" else "cuda",
-                        staging=False if cfg.mirror == "cuda" else None, ttl=60.0)
+        puller = Puller(
+            registry,
+            transport,
+            device="cpu" if cfg.mirror == "cpu" else "cuda",
+            staging=False if cfg.mirror == "cuda" else None,
+            ttl=60.0,
+        )
 
         pull_s: list[float] = []
         raw_s: list[float] = []
@@ -201,10 +213,14 @@ async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: 
             start = time.perf_counter()
             pulled = await puller.pull()
             pull_s.append(time.perf_counter() - start)
-            say(f"round {i + 1}/{cfg.repeat}: pull {cfg.size / pull_s[-1] / 1e9:.2f} GB/s"
-                + (f", raw {cfg.size / raw_s[-1] / 1e9:.2f} GB/s" if raw_s else ""))
+            say(
+                f"round {i + 1}/{cfg.repeat}: pull {cfg.size / pull_s[-1] / 1e9:.2f} GB/s"
+                + (f", raw {cfg.size / raw_s[-1] / 1e9:.2f} GB/s" if raw_s else "")
+            )
         exact = await anyio.to_thread.run_sync(_mirror_digest, pulled, cfg.size) == want
-        h2d_s = [await to_device_seconds(transport, pulled) for _ in range(cfg.repeat)] if cfg.mirror == "staged" else []
+        h2d_s = (
+            [await to_device_seconds(transport, pulled) for _ in range(cfg.repeat)] if cfg.mirror == "staged" else []
+        )
         await puller.aclose()
         await transport.aclose()
         if raw:
@@ -256,7 +272,11 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
         f"  pull   {g(r['pull_gbps'])} GB/s  weightpull: lease, every bucket, lease check",
         f"  raw    {g(r['raw_gbps'])} GB/s  {r['raw']}, the same bytes without weightpull",
         f"  limit  {g(r['limit_gbps'])} GB/s  {r['limit']}",
-        *([f"  to GPU {g(r['to_device_gbps'])} GB/s  HostStaged's bucket-by-bucket copy leg alone"] if r["to_device_gbps"] else []),
+        *(
+            [f"  to GPU {g(r['to_device_gbps'])} GB/s  HostStaged's bucket-by-bucket copy leg alone"]
+            if r["to_device_gbps"]
+            else []
+        ),
         f"  pull/raw {r['ratio_to_raw'] if r['ratio_to_raw'] is not None else '-'}, "
         f"pull/limit {r['ratio_to_limit']}, byte-exact: {'yes' if r['byte_exact'] else 'NO'}",
     ]

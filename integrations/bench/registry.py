@@ -57,11 +57,15 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-async def run_bench(address: str, *, clients: int = 8, seconds: float = 3.0, secret: bytes | None = None) -> BenchResult:
+async def run_bench(
+    address: str, *, clients: int = 8, seconds: float = 3.0, secret: bytes | None = None
+) -> BenchResult:
     regs = [ZmqRegistry(address, secret=secret) for _ in range(clients)]
     if await regs[0].newest() is None:
-        raise NoReadyVersionError(f"the bench leases the newest READY version; the registry at {address} has none: "
-                                  "publish one first, or leave out --registry and the bench serves its own")
+        raise NoReadyVersionError(
+            f"the bench leases the newest READY version; the registry at {address} has none: "
+            "publish one first, or leave out --registry and the bench serves its own"
+        )
     latencies: list[float] = []
     warm, go = [0], anyio.Event()
     window = [0.0, 0.0]

@@ -49,7 +49,9 @@ def _scalar(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def gbps(nbytes: int, seconds: list[float], digits: int = 3, pick: Callable[[list[float]], float] = statistics.median) -> float:
+def gbps(
+    nbytes: int, seconds: list[float], digits: int = 3, pick: Callable[[list[float]], float] = statistics.median
+) -> float:
     """10^9 bytes per second over the median of the timings (or `pick`'s choice)."""
     return round(nbytes / pick(seconds) / 1e9, digits)
 
@@ -78,8 +80,9 @@ def say_to_stderr(tag: str) -> Callable[[str], None]:
 
 def machine(gpu: str = "", torch_version: str | None = None) -> str:
     """This host, as the benches' JSON names it."""
-    return (f"{platform.node()}: {os.cpu_count()} CPUs{gpu}, {platform.machine()}, Python {sys.version.split()[0]}"
-            + (f", torch {torch_version}" if torch_version else ""))
+    return f"{platform.node()}: {os.cpu_count()} CPUs{gpu}, {platform.machine()}, Python {sys.version.split()[0]}" + (
+        f", torch {torch_version}" if torch_version else ""
+    )
 
 
 class Progress:

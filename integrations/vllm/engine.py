@@ -62,7 +62,9 @@ class PullSpec:
 class VllmEngine:
     """`EngineControl` for one `AsyncLLM`."""
 
-    def __init__(self, llm: Any, *, poll_interval: float = 0.02, apply_timeout: float = 60.0, clock: Clock | None = None) -> None:
+    def __init__(
+        self, llm: Any, *, poll_interval: float = 0.02, apply_timeout: float = 60.0, clock: Clock | None = None
+    ) -> None:
         self.llm = llm
         self.poll_interval = poll_interval
         self.apply_timeout = apply_timeout
@@ -108,8 +110,11 @@ class VllmEngine:
             raise ApplyError(
                 f"applying v{version} failed on {len(failed)} of {len(results)} workers "
                 f"({failed[0]['error']['type']}: {failed[0]['error']['message']}); "
-                + (f"the replica holds {last_good!r} again" if last_good is not None
-                   else "the last good version could not be restored: the replica stays paused and must not serve"),
+                + (
+                    f"the replica holds {last_good!r} again"
+                    if last_good is not None
+                    else "the last good version could not be restored: the replica stays paused and must not serve"
+                ),
                 version=version,
                 restored=last_good,
             ) from _error(failed[0]["error"])
@@ -170,8 +175,14 @@ def engine_args(model: str, **overrides: Any) -> Any:
     backend otherwise reserves most of the RAM)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    kw: dict[str, Any] = {"skip_tokenizer_init": True, "kv_cache_memory_bytes": 32 << 20, "enforce_eager": True,
-                          "disable_log_stats": True, "worker_extension_cls": WORKER_EXTENSION, **overrides}
+    kw: dict[str, Any] = {
+        "skip_tokenizer_init": True,
+        "kv_cache_memory_bytes": 32 << 20,
+        "enforce_eager": True,
+        "disable_log_stats": True,
+        "worker_extension_cls": WORKER_EXTENSION,
+        **overrides,
+    }
     if kw["worker_extension_cls"] is None:
         kw["worker_extension_cls"] = ""
     return AsyncEngineArgs(model=model, **kw)

@@ -32,7 +32,9 @@ class MirrorPair:
     """Two pullers, each with its own registered mirror, sharing a registry and a
     transport. `current` holds the version the engine serves; pulls go to the other."""
 
-    def __init__(self, registry: Registry, transport: Transport, *, holder: str, ttl: float = 10.0, **puller: Any) -> None:
+    def __init__(
+        self, registry: Registry, transport: Transport, *, holder: str, ttl: float = 10.0, **puller: Any
+    ) -> None:
         self.pullers = [Puller(registry, transport, holder=holder, ttl=ttl, **puller) for _ in range(2)]
         self.current: Pulled | None = None  # what the engine serves, from the mirror it lies in
         self._spare = 0
@@ -73,8 +75,14 @@ class BackgroundPulls:
     client and a transport endpoint belong to the loop that made them. `device` holds
     the mirrors ("cpu" or a GPU)."""
 
-    def __init__(self, setup: Callable[[], Awaitable[tuple[Registry, Transport]]], *, holder: str, ttl: float = 10.0,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        setup: Callable[[], Awaitable[tuple[Registry, Transport]]],
+        *,
+        holder: str,
+        ttl: float = 10.0,
+        device: str = "cpu",
+    ) -> None:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:

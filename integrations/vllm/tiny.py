@@ -13,8 +13,14 @@ from typing import Any
 import torch
 
 CONFIG = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=1024, max_position_embeddings=512, tie_word_embeddings=False,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
 )
 
 
@@ -28,7 +34,9 @@ def make_tiny_llama(path: str | Path, seed: int = 0) -> Any:
     return model
 
 
-def set_version(model: Any, base: dict[str, torch.Tensor], version: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+def set_version(
+    model: Any, base: dict[str, torch.Tensor], version: int, scale: float = 0.05
+) -> dict[str, torch.Tensor]:
     """Load version `version` into `model` (the trainer's step) and return its state dict,
     named as the checkpoint names them."""
     g = torch.Generator().manual_seed(version)
@@ -41,17 +49,29 @@ def set_version(model: Any, base: dict[str, torch.Tensor], version: int, scale: 
 def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy continuation of `prompt` (never stopping early)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 # -- tiny models of several families, for checking what a replica serves after an update --
 
 _COMMON = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
     head_dim=64,  # vLLM's CPU attention accepts 64 and 128
-    vocab_size=1024, max_position_embeddings=512, initializer_range=0.2,  # large: versions differ in output
+    vocab_size=1024,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # large: versions differ in output
     tie_word_embeddings=False,
 )
 # family -> (transformers model_type, its settings beyond _COMMON). One feature each:
@@ -60,8 +80,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", {}),  # q/k/v biases; untied, as Qwen2-7B (the tie is llama-tied's case)
     "qwen3": ("qwen3", {}),  # q/k norms
-    "qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+        },
+    ),
 }
 NAMES = ("checkpoint", "state_dict")
 
@@ -90,8 +119,9 @@ def checkpoint_names(model: Any, state: dict[str, torch.Tensor]) -> dict[str, to
     return revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
 
 
-def version_weights(model: Any, base: dict[str, torch.Tensor], version: int, names: str = "checkpoint",
-                    scale: float = 0.05) -> dict[str, torch.Tensor]:
+def version_weights(
+    model: Any, base: dict[str, torch.Tensor], version: int, names: str = "checkpoint", scale: float = 0.05
+) -> dict[str, torch.Tensor]:
     """Load `version` into `model` (as `set_version`) and return its weights, named as
     "state_dict" (`model.state_dict()`: tied models include `lm_head.weight`, MoE experts
     fused 3-D) or "checkpoint" (what `save_pretrained` writes, which vLLM loads)."""

@@ -60,8 +60,10 @@ def mirror_device(wanted: str, worker_device: Any) -> str:
     if wanted != "cuda":
         return wanted
     if worker_device is None or torch.device(worker_device).type != "cuda":
-        raise InvalidArgumentError(f"mirror_device='cuda' puts the mirrors on the worker's GPU, "
-                                   f"but this worker runs on {worker_device or 'no device'}")
+        raise InvalidArgumentError(
+            f"mirror_device='cuda' puts the mirrors on the worker's GPU, "
+            f"but this worker runs on {worker_device or 'no device'}"
+        )
     return str(torch.device(worker_device))
 
 
@@ -93,7 +95,9 @@ class WeightpullWorker:
                 return {"error": error_info(exc)}
             self._weightpull_ties = apply.tied_parameters(model)
         self._weightpull_check = bool(spec.get("check_apply", True))
-        self._weightpull = BackgroundPulls(_setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device)
+        self._weightpull = BackgroundPulls(
+            _setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device
+        )
         return self.weightpull_status()
 
     def weightpull_prefetch(self, version: int) -> dict[str, Any]:

@@ -9,8 +9,12 @@ import torch
 from weightpull.integrations.bench.gpu import bench_apply_check, make_tensors
 from weightpull.integrations.torch_tensors import fingerprints
 
-SHAPES = [("model.embed_tokens.weight", (1000, 256)), ("model.layers.0.self_attn.qkv_proj.weight", (768, 256)),
-          ("model.layers.0.mlp.experts.w13_weight", (4, 512, 256)), ("model.norm.weight", (256,))]
+SHAPES = [
+    ("model.embed_tokens.weight", (1000, 256)),
+    ("model.layers.0.self_attn.qkv_proj.weight", (768, 256)),
+    ("model.layers.0.mlp.experts.w13_weight", (4, 512, 256)),
+    ("model.norm.weight", (256,)),
+]
 
 
 def test_fingerprints_on_the_gpu_equal_the_hosts_and_show_a_stale_weight():

@@ -15,9 +15,11 @@ from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_wei
 from ..conftest import settle
 
 pytestmark = pytest.mark.anyio
-SHAPES = [("model.embed_tokens.weight", (1000, 256)),
-          *[(f"model.layers.{i}.mlp.down_proj.weight", (256, 768)) for i in range(4)],
-          ("model.norm.weight", (256,))]
+SHAPES = [
+    ("model.embed_tokens.weight", (1000, 256)),
+    *[(f"model.layers.{i}.mlp.down_proj.weight", (256, 768)) for i in range(4)],
+    ("model.norm.weight", (256,)),
+]
 
 
 async def test_gpu_mirrors_pull_a_host_slot_and_apply_into_gpu_weights():

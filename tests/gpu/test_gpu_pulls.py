@@ -22,10 +22,9 @@ from weightpull import (
     create_transport,
 )
 from weightpull.drivers.cuda_ipc import cuda, mappings
+from weightpull.drivers.testing.conformance import ProcessPeer
 from weightpull.integrations.bench.gpu import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
-
-from weightpull.drivers.testing.conformance import ProcessPeer
 
 pytestmark = pytest.mark.anyio
 SHAPES = [("embed", (1000, 512)), *[(f"layer{i}.w", (512, 384 + i)) for i in range(12)], ("norm", (512,))]

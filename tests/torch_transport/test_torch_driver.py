@@ -23,10 +23,10 @@ from weightpull import (
     create_transport,
     list_transports,
 )
+from weightpull.drivers.testing.conformance import ProcessPeer
 from weightpull.drivers.torch_transport import TorchTransport, torch_errors
 from weightpull.drivers.zmq_registry.client import ZmqRegistry
 
-from weightpull.drivers.testing.conformance import ProcessPeer
 from ..conftest import host_tensors
 from ..served import SECRET, ServedRegistry, env
 
@@ -67,8 +67,14 @@ def test_available_with_torch_2_15():
 async def test_a_trainer_process_publishes_into_two_slots_and_one_endpoint_pulls_them(tmp_path):
     server = ServedRegistry(tmp_path)
     server.start()
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, server.address], env=env(), text=True,
-                               cwd=Path(__file__).parents[2], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, server.address],
+        env=env(),
+        text=True,
+        cwd=Path(__file__).parents[2],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     registry = ZmqRegistry(server.address, secret=SECRET)
     transport = TorchTransport()
     puller = Puller(registry, transport, holder="replica-0")
