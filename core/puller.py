@@ -95,8 +95,10 @@ class Puller:
         `NoProgressError` (None waits forever). Progress is counted per read, and a read
         is at most a bucket, so the bound must exceed the time one bucket takes."""
         if verify_digests and device != "cpu":
-            raise InvalidArgumentError(f"digests are verified on host mirrors only, not on {device!r}; "
-                                       "leave verify_digests unset to skip them there")
+            raise InvalidArgumentError(
+                f"digests are verified on host mirrors only, not on {device!r}; "
+                "leave verify_digests unset to skip them there"
+            )
         if ttl <= 0:
             raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
         if stall_timeout is not None and not stall_timeout > 0:
@@ -158,13 +160,15 @@ class Puller:
         out: dict[str, int | float] = {f"pull/{k}": v for k, v in self._counts.items()}
         last = self._last
         if last is not None:
-            out.update({
-                "pull/version": last.version,
-                "pull/seconds": last.seconds,
-                "pull/bytes": last.nbytes,
-                "pull/gbps": last.nbytes / last.seconds / 1e9 if last.seconds > 0 else 0.0,
-                "pull/lease_renewals": last.renewals,
-            })
+            out.update(
+                {
+                    "pull/version": last.version,
+                    "pull/seconds": last.seconds,
+                    "pull/bytes": last.nbytes,
+                    "pull/gbps": last.nbytes / last.seconds / 1e9 if last.seconds > 0 else 0.0,
+                    "pull/lease_renewals": last.renewals,
+                }
+            )
         if self._behind is not None:
             out["pull/versions_behind"] = self._behind
         return out
@@ -274,7 +278,9 @@ class Puller:
             ) from (lost[0] if lost else None)
         return lease, renewals
 
-    async def _read_many(self, reads: list[tuple[Remote, int, Region, int, int]], landed: Callable[[int], None]) -> None:
+    async def _read_many(
+        self, reads: list[tuple[Remote, int, Region, int, int]], landed: Callable[[int], None]
+    ) -> None:
         """`transport.read_many(reads)`, calling `landed(nbytes)` as each read lands. A
         driver with a `read_many` of its own (one that batches device copies) is left to
         it, and its reads count as landed together."""
@@ -295,7 +301,9 @@ class Puller:
         view = mirror.host_view()
 
         def check() -> int | None:
-            for b, want in zip(manifest.layout.buckets, manifest.digests or ()):
+            for b, want in zip(
+                manifest.layout.buckets, manifest.digests or (), strict=False
+            ):  # no digests: nothing to check
                 if bucket_digest(view[b.offset : b.offset + b.nbytes]) != want:
                     return b.index
             return None

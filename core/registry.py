@@ -135,8 +135,7 @@ class InProcessRegistry:
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
                 raise VersionWaitTimeoutError(
-                    f"no version >= {min_version} within {timeout} s "
-                    f"(newest READY: {newest})"
+                    f"no version >= {min_version} within {timeout} s (newest READY: {newest})"
                 )
             await within(self.clock, remaining, self._committed.wait)
         manifest = self.machine.newest()

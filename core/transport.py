@@ -86,9 +86,7 @@ class Transport(ABC):
         """Forget a peer region; drivers with per-peer state override this."""
 
     @abstractmethod
-    async def read(
-        self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int
-    ) -> None:
+    async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
 
     async def read_many(self, reads: Sequence[tuple[Remote, int, Region, int, int]]) -> None:
@@ -128,7 +126,9 @@ class RegionTable:
     def _mine(self, region: Region, doing: str) -> Any:
         """The region's handle, if this endpoint registered it."""
         if self._regions.get(region.handle) is not region:
-            raise RegionNotRegisteredError(f"cannot {doing} a local region this {self.name} transport has not registered")
+            raise RegionNotRegisteredError(
+                f"cannot {doing} a local region this {self.name} transport has not registered"
+            )
         return region.handle
 
     def _check_open(self) -> None:
@@ -145,8 +145,8 @@ class WrappedTransport(Transport):
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
 
-    @property  # type: ignore[misc]
-    def reads_into_gpu(self) -> bool:
+    @property  # a class attribute of drivers; a wrapper's is its inner driver's
+    def reads_into_gpu(self) -> bool:  # type: ignore[override]
         return self.inner.reads_into_gpu
 
     def allocate(self, nbytes: int, device: str = "cpu") -> Region:
@@ -181,8 +181,7 @@ def check_span(what: str, offset: int, nbytes: int, size: int) -> None:
     """Raise unless [offset, offset + nbytes) lies inside a region of `size` bytes."""
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise RegionNotRegisteredError(
-            f"{what} range [{offset}, {offset + nbytes}) lies outside the registered "
-            f"{size} bytes"
+            f"{what} range [{offset}, {offset + nbytes}) lies outside the registered {size} bytes"
         )
 
 

@@ -140,7 +140,7 @@ class SnapshotPublisher:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._owned: list[Any] = []  # what close() shuts, because this made it
-        if not isinstance(registry, Registry):
+        if registry is None or isinstance(registry, str):  # an address (None: $WEIGHTPULL_REGISTRY)
             registry = connect_registry(registry)
             self._owned.append(registry)
         if isinstance(transport, str):

@@ -182,10 +182,13 @@ class ZmqRegistry:
         server restart by long."""
         deadline = None if timeout is None else anyio.current_time() + timeout
         while True:
-            left = self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
+            left = (
+                self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
+            )
             try:
-                data = await self._call("wait_for_version", min_version=min_version, timeout=left,
-                                        _attempt_timeout=left + self.timeout)
+                data = await self._call(
+                    "wait_for_version", min_version=min_version, timeout=left, _attempt_timeout=left + self.timeout
+                )
                 return Manifest.from_dict(data)
             except VersionWaitTimeoutError:
                 if deadline is not None and anyio.current_time() >= deadline:
@@ -244,7 +247,9 @@ class ZmqRegistry:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def _call(self, op: str, *, _attempt_timeout: float | None = None, _run: str | None = None, **args: Any) -> Any:
+    async def _call(
+        self, op: str, *, _attempt_timeout: float | None = None, _run: str | None = None, **args: Any
+    ) -> Any:
         """Send `op` until it is answered, retrying after timeouts and a server restart.
         With `_run`, only into that run (the replay), raising `_NewRun` if it is gone."""
         req = wire.Request(uuid.uuid4().hex, op, args, _run or self.epoch)
@@ -336,8 +341,15 @@ class ZmqRegistry:
                 except _NewRun as exc:  # restarted again meanwhile
                     epoch = exc.epoch
                     continue
-                log.warning("registry at %s restarted (run %s -> %s); replayed %d committed, %d begun, %d serving",
-                            self.address, self.epoch, epoch, len(self._committed), len(self._writing), len(self._serving))
+                log.warning(
+                    "registry at %s restarted (run %s -> %s); replayed %d committed, %d begun, %d serving",
+                    self.address,
+                    self.epoch,
+                    epoch,
+                    len(self._committed),
+                    len(self._writing),
+                    len(self._serving),
+                )
                 self.epoch = epoch
 
     async def _replay(self, run: str) -> None:
@@ -351,8 +363,14 @@ class ZmqRegistry:
         for manifest in sorted([*self._committed.values(), *self._parts.values()], key=lambda m: m.version):
             shard = (manifest.shards[0].index, manifest.shards[0].count) if manifest.shards else None
             try:
-                await self._call("begin", version=manifest.version, publisher=manifest.publisher,
-                                 slot=manifest.slot, _run=run, **_shard(shard))
+                await self._call(
+                    "begin",
+                    version=manifest.version,
+                    publisher=manifest.publisher,
+                    slot=manifest.slot,
+                    _run=run,
+                    **_shard(shard),
+                )
                 await self._call("commit", manifest=manifest.to_dict(), _run=run)
             except RegistryError as exc:
                 self._replay_refused(exc, f"v{manifest.version}")
