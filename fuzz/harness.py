@@ -29,9 +29,9 @@ from weightpull import (
     NoFreeSlotError,
     NoProgressError,
     NoReadyVersionError,
+    Publisher,
     PublishError,
     PublishResult,
-    Publisher,
     Pulled,
     Puller,
     Registry,
@@ -616,16 +616,26 @@ class World:
         lapsed = record.lapsed(now)
         stalled = reader.clock.froze or self.clock.stalls != reader.stalls
         # The longest its pull went with no read landing, from the lease on (as the puller counts).
-        times = [record.granted_at, *(t for t in reader.transport.landings if record.granted_at <= t <= run.ended), run.ended]
-        idle = max(b - a for a, b in zip(times, times[1:]))
+        times = [
+            record.granted_at,
+            *(t for t in reader.transport.landings if record.granted_at <= t <= run.ended),
+            run.ended,
+        ]
+        idle = max(b - a for a, b in itertools.pairwise(times))
         if isinstance(outcome, Pulled):
             note("pull: whole")
-            assert not (lapsed or failed or torn), f"{reader.name}: handed on a pull that was lapsed={lapsed} failed={failed} torn={torn}"
+            assert not (lapsed or failed or torn), (
+                f"{reader.name}: handed on a pull that was lapsed={lapsed} failed={failed} torn={torn}"
+            )
             # A frozen process, or time jumping, lets its reads land before its watchdog runs.
             assert stalled or idle <= STALL + EPS, f"{reader.name}: no read landed for {idle} s, yet the pull went on"
             assert outcome.version == record.lease.version
-            assert run.tensors == self.model.contents[outcome.version], f"{reader.name}: the copy of v{outcome.version} is not its bytes"
-            assert outcome.version >= reader.applied, f"{reader.name}: went back from v{reader.applied} to v{outcome.version}"
+            assert run.tensors == self.model.contents[outcome.version], (
+                f"{reader.name}: the copy of v{outcome.version} is not its bytes"
+            )
+            assert outcome.version >= reader.applied, (
+                f"{reader.name}: went back from v{reader.applied} to v{outcome.version}"
+            )
             reader.applied = outcome.version
         elif lapsed:  # the slot may have been rewritten or re-registered under the read
             assert stalled, f"{reader.name}: its lease lapsed though it never stalled: renewal failed"
@@ -633,7 +643,9 @@ class World:
             note(f"pull: lapsed{', slot rewritten' if rewritten else ''} -> {type(outcome).__name__}")
             # If its watchdog ran before its renewal did, the stall is what it reports.
             no_progress = isinstance(outcome, NoProgressError) and idle >= STALL - EPS
-            assert no_progress or isinstance(outcome, (TornReadError, TransportError)), f"{reader.name}: lapsed lease gave {outcome!r}"
+            assert no_progress or isinstance(outcome, (TornReadError, TransportError)), (
+                f"{reader.name}: lapsed lease gave {outcome!r}"
+            )
         elif isinstance(outcome, NoProgressError):
             note("pull: no progress")
             assert idle >= STALL - EPS, f"{reader.name}: {outcome!r}, though reads landed at most {idle} s apart"
@@ -653,7 +665,9 @@ class World:
         assert {v.version: v.state for v in status.versions} == self.model.states
         for v in status.versions:
             held = self.model.slots[v.publisher][v.slot]
-            assert held == v.version, f"the registry places v{v.version} in slot {v.slot} of {v.publisher}, which holds v{held}"
+            assert held == v.version, (
+                f"the registry places v{v.version} in slot {v.slot} of {v.publisher}, which holds v{held}"
+            )
         live = {i for i, r in self.model.leases.items() if r.live(now)}
         assert {x.id for x in status.leases} == live, "the registry and the readers disagree on live leases"
         if not publishing:

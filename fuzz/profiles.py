@@ -34,7 +34,9 @@ except Exception:  # hypothesis' InvalidArgument, which names no choices
 try:
     MINUTES = float(os.environ.get("WEIGHTPULL_FUZZ_MINUTES") or 30)
 except ValueError:
-    raise LookupError(f"WEIGHTPULL_FUZZ_MINUTES={os.environ['WEIGHTPULL_FUZZ_MINUTES']!r} is not a number of minutes") from None
+    raise LookupError(
+        f"WEIGHTPULL_FUZZ_MINUTES={os.environ['WEIGHTPULL_FUZZ_MINUTES']!r} is not a number of minutes"
+    ) from None
 
 # The tests that share the long profile's budget; those this session runs that have not
 # started yet (fuzz/conftest.py narrows it to those collected); when the budget ends,

@@ -99,7 +99,9 @@ scenarios = st.builds(
     ).map(tuple),
     st.lists(st.tuples(links, st.lists(pulls, min_size=1, max_size=6).map(tuple)), min_size=1, max_size=3).map(tuple),
     st.lists(st.builds(Hold, half_seconds, half_seconds.map(lambda s: 2 * s), st.booleans()), max_size=4).map(tuple),
-    st.lists(st.builds(Wait, half_seconds, st.integers(0, 2), half_seconds.map(lambda s: 2 * s)), max_size=4).map(tuple),
+    st.lists(st.builds(Wait, half_seconds, st.integers(0, 2), half_seconds.map(lambda s: 2 * s)), max_size=4).map(
+        tuple
+    ),
 )
 
 
@@ -122,7 +124,7 @@ async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...
 
         async def pull(after: float = 0.0) -> None:
             await world.clock.sleep(after)
-            ended.append(await process.pull())
+            ended.append(await process.pull())  # noqa: B023 - awaited within this iteration
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(pull)
@@ -191,7 +193,7 @@ async def play(scenario: Scenario) -> None:
 
     async def actors() -> None:
         async with anyio.create_task_group() as tg:
-            for publisher, (copy_seconds, program) in zip(world.publishers, scenario.trainers):
+            for publisher, (copy_seconds, program) in zip(world.publishers, scenario.trainers, strict=True):
                 tg.start_soon(trainer, world, publisher, copy_seconds, program)
             for bandwidth, program in scenario.readers:
                 tg.start_soon(reader, world, bandwidth, program)
@@ -278,7 +280,9 @@ REPLAYS = {
     # 6.000000000000002 s in all.
     "wait-to-the-bound": Scenario(
         num_slots=2,
-        trainers=((2.0, (Publish(1.0, "base", W), Publish(2.5, "base", W), Publish(1.5, "base", W), Publish(0.0, "base", W))),),
+        trainers=(
+            (2.0, (Publish(1.0, "base", W), Publish(2.5, "base", W), Publish(1.5, "base", W), Publish(0.0, "base", W))),
+        ),
         readers=((None, (Pull(0.0, None),)),),
         hoarder=(Hold(8.5, 7.5, release=True),),
         waiter=(),

@@ -235,11 +235,13 @@ def replay(steps) -> None:
 def test_replay_reads_held_past_the_stall_timeout() -> None:
     """A read held back for 30 s must end the pull with NoProgressError (the puller's
     stall_timeout), which the model first took for an unexplained failure."""
-    replay([
-        lambda m: m.start(num_slots=2, readers=2),
-        lambda m: m.begin_read(fault=None, pick=0, reads=0),
-        lambda m: m.withdraw_newest(),
-        lambda m: m.time_passes(dt=6.5),
-        lambda m: m.time_passes(dt=12.0),
-        lambda m: m.time_passes(dt=11.5),
-    ])
+    replay(
+        [
+            lambda m: m.start(num_slots=2, readers=2),
+            lambda m: m.begin_read(fault=None, pick=0, reads=0),
+            lambda m: m.withdraw_newest(),
+            lambda m: m.time_passes(dt=6.5),
+            lambda m: m.time_passes(dt=12.0),
+            lambda m: m.time_passes(dt=11.5),
+        ]
+    )
