@@ -28,7 +28,7 @@ TORCH_SETUP_COST := $(TORCH_VENV): ~3 GB of wheels (torch 2.15, whose only build
 # the next `make setup`; `make test` relinks first (a few seconds).
 LINK_TREE := --config-settings editable_mode=strict
 
-.PHONY: setup setup-torch links demo test test-plan fuzz-long docs clean
+.PHONY: setup setup-torch links lint demo test test-plan fuzz-long docs clean
 
 setup: $(STAMP)
 
@@ -66,7 +66,14 @@ demo: setup
 links: setup
 	@$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e . $(LINK_TREE)
 
-test: test-plan setup setup-torch links
+# The lint and type gate (config in pyproject.toml): ruff's lint and format, mypy strict on
+# the kernel. The import layers are checked by the tests (tests/test_layers.py).
+lint: links
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: test-plan setup setup-torch lint
 	$(BIN)/python -m pytest -q
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
 
