@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/gpu.md, and the GPU tests. Run from the repository root on the
-# H200 machine (torch 2.11, numpy, pytest; nothing else needed). $OUT/gpu-bench.json gets
-# the bench's JSON line.
+# H200 machine (torch 2.11, numpy, pytest). The core also needs cattrs (and attrs >= 25.4),
+# which that machine lacks and cannot download: carry their wheels in .whl/ (the device
+# tool's `carry`), made here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#       cattrs==26.2.0 attrs==26.1.0 typing_extensions==4.16.0
+# $OUT/gpu-bench.json gets the bench's JSON line.
 set -u
 OUT=${OUT:-/tmp/weightpull-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null ||
     python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
