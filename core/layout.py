@@ -101,7 +101,7 @@ class Bucket:
 
 
 @attrs.frozen
-class Layout:
+class Layout(schema.Record):
     placements: tuple[Placement, ...]
     buckets: tuple[Bucket, ...]
     total_bytes: int
@@ -125,14 +125,6 @@ class Layout:
     @property
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(p.spec for p in self.placements)
-
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, Layout)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Layout:
-        """Re-plan from the specs and check that both sides agree byte for byte."""
-        return schema.structure(data, Layout)
 
 
 @attrs.frozen

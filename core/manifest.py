@@ -34,7 +34,7 @@ def _check_version(_: Any, __: attrs.Attribute[int], value: int) -> None:
 
 
 @attrs.frozen
-class Manifest:
+class Manifest(schema.Record):
     """One published version: its layout, where its bytes are and how to check them."""
 
     version: int = attrs.field(validator=_check_version)
@@ -75,13 +75,6 @@ class Manifest:
     @property
     def nbytes(self) -> int:
         return self.layout.total_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, Manifest)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Manifest:
-        return schema.structure(data, Manifest)
 
 
 # Only a sharded manifest sends `shards`: an unsharded one's wire form is unchanged.

@@ -7,7 +7,6 @@ back from a plain dict through the strict schema (`weightpull.schema`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 
@@ -16,7 +15,7 @@ from .states import VersionState
 
 
 @attrs.frozen
-class Lease:
+class Lease(schema.Record):
     """A reader's claim on one version, valid until `expires_at` on the registry's clock."""
 
     id: str
@@ -25,16 +24,9 @@ class Lease:
     ttl: float
     expires_at: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, Lease)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Lease:
-        return schema.structure(data, Lease)
-
 
 @attrs.frozen
-class VersionInfo:
+class VersionInfo(schema.Record):
     version: int
     state: VersionState
     publisher: str
@@ -44,39 +36,18 @@ class VersionInfo:
     live_leases: int
     reason: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, VersionInfo)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> VersionInfo:
-        return schema.structure(data, VersionInfo)
-
 
 @attrs.frozen
-class LeaseInfo:
+class LeaseInfo(schema.Record):
     id: str
     version: int
     holder: str
     expires_in: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, LeaseInfo)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> LeaseInfo:
-        return schema.structure(data, LeaseInfo)
-
 
 @attrs.frozen
-class RegistryStatus:
+class RegistryStatus(schema.Record):
     newest_ready: int | None
     versions: tuple[VersionInfo, ...]
     leases: tuple[LeaseInfo, ...]
     serving: Mapping[str, int]
-
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, RegistryStatus)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> RegistryStatus:
-        return schema.structure(data, RegistryStatus)

@@ -66,7 +66,7 @@ def shard_layout(layout: Layout, rows: Sequence[Rows]) -> Layout:
 
 
 @attrs.frozen
-class Shard:
+class Shard(schema.Record):
     """One publisher's part of a sharded version: where its slot is, and the rows
     [start, stop) of dim 0 it holds of each tensor of the manifest's layout, in order."""
 
@@ -104,13 +104,6 @@ class Shard:
         for full, mine, (start, _) in zip(layout.placements, packed.placements, self.rows, strict=True):
             if mine.spec.nbytes:
                 yield mine.offset, full.offset + start * row_bytes(full.spec), mine.spec.nbytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return schema.as_object(self, Shard)
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Shard:
-        return schema.structure(data, Shard)
 
 
 def check_shards(layout: Layout, shards: Sequence[Shard]) -> None:
