@@ -36,6 +36,7 @@ from .manifest import Manifest, bucket_digest
 from .registry import Registry
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
+from .tasks import close_owned
 from .tensors import TensorAdapter, adapter_for, normalize_dtype
 from .transport import Region, Transport
 
@@ -153,15 +154,8 @@ class Publisher:
         did, a group of the two."""
         serving, self._serving = self._serving, None
         assert serving is not None
-        serving.cancel_scope.cancel()
         try:
-            return await serving.__aexit__(*exc_info)
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) > 1:
-                raise  # the block and serving both failed
-            if group.exceptions[0] is exc_info[1]:
-                return False  # the block's own exception: let it go on, unwrapped
-            raise group.exceptions[0] from None
+            return await close_owned(serving, exc_info)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.aclose()

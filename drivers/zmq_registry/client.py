@@ -43,6 +43,7 @@ from weightpull.errors import (
 )
 from weightpull.manifest import Manifest
 from weightpull.registry import Lease, RegistryStatus
+from weightpull.tasks import close_owned
 
 from . import wire
 
@@ -232,15 +233,8 @@ class ZmqRegistry:
         its error does; if both did, a group of the two."""
         tasks, self._tasks = self._tasks, None
         assert tasks is not None
-        tasks.cancel_scope.cancel()
         try:
-            return await tasks.__aexit__(*exc_info)
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) > 1:
-                raise
-            if group.exceptions[0] is exc_info[1]:
-                return False  # the block's own exception: let it go on, unwrapped
-            raise group.exceptions[0] from None
+            return await close_owned(tasks, exc_info)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
