@@ -23,7 +23,7 @@ def env(secret: bytes | None = SECRET, **extra: str) -> dict[str, str]:
     return {**out, **extra}
 
 
-def cli(*args: str, secret: bytes | None = SECRET, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+def cli(*args: str, secret: bytes | None = SECRET, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "weightpull", *args],
         env=env(secret),

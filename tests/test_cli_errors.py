@@ -22,23 +22,8 @@ from weightpull.errors import PeerGoneError
 
 pytest.importorskip("zmq")
 
-SECRET = "test-secret-of-the-cli"
-
-
-def env(secret: str | None = SECRET, **extra: str) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k not in ("WEIGHTPULL_SECRET", "WEIGHTPULL_REGISTRY")}
-    return {**out, **({"WEIGHTPULL_SECRET": secret} if secret else {}), **extra}
-
-
-def run(*args: str, secret: str | None = SECRET, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "weightpull", *args],
-        env=env(secret),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+from .served import SECRET, env  # noqa: E402
+from .served import cli as run  # noqa: E402
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -222,7 +207,7 @@ def test_status_watch_reads_again_until_ctrl_c(terminal):
         deadline = time.monotonic() + 60
         while "newest READY: none" not in seen and time.monotonic() < deadline:
             seen += os.read(proc.stdout.fileno(), 65536).decode()
-        anyio.run(publish_one, served.address, SECRET.encode())  # the next redraw must show it
+        anyio.run(publish_one, served.address, SECRET)  # the next redraw must show it
         while "newest READY: v1" not in seen and time.monotonic() < deadline:
             seen += os.read(proc.stdout.fileno(), 65536).decode()
         proc.send_signal(signal.SIGINT)
