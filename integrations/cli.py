@@ -378,8 +378,10 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) of each table `status` shows, plain or live.
-    No publisher liveness yet: the registry does not track it (issue 13 adds it)."""
+    """(title, header, rows) of each table `status` shows, plain or live. Publishers are
+    seen through their versions: the newest each began, its state and age (a WRITING
+    version that keeps ageing is a publisher stuck or gone). A liveness lease of their own
+    comes with principals (issue 13)."""
     versions = [
         [
             f"v{v.version}",
@@ -395,7 +397,10 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
     ]
     leases = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
     serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
+    newest = {v.publisher: v for v in sorted(status.versions, key=lambda v: v.version)}
+    publishers = [[name, f"v{v.version}", str(v.state), f"{v.age:.1f} s"] for name, v in sorted(newest.items())]
     return [
+        ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE"], publishers),
         ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
         ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
         ("serving", ["REPLICA", "VERSION"], serving),

@@ -238,6 +238,8 @@ async def test_publish_and_pull_across_processes(server):
     assert {(v["version"], v["state"]) for v in status["versions"]} == {(3, "RETIRED"), (5, "READY")}
     human = await anyio.to_thread.run_sync(lambda: cli("status", "--registry", server.address))
     assert "newest READY: v5" in human.stdout and "replica-1  v5" in human.stdout
+    (publishers,) = [line for line in human.stdout.splitlines() if line.startswith(f"  {publisher.name} ")]
+    assert publishers.split()[1:3] == ["v5", "READY"]  # each publisher's newest version, and its state
     for p in pullers:
         await p.aclose()
         await p.registry.aclose()
@@ -378,8 +380,8 @@ async def test_a_restart_between_begin_and_commit_loses_nothing(server):
     await reg.aclose()
 
 
-def test_status_needs_an_address_and_bench_prints_its_figures():
-    shown = cli("status")
+def test_status_with_nothing_at_its_default_address_says_how_to_point_it_and_bench_prints_its_figures():
+    shown = cli("status", "--timeout", "0.3")
     assert shown.returncode == 1 and "pass --registry ADDRESS or set $WEIGHTPULL_REGISTRY" in shown.stderr
     bench = cli("bench", "registry", "--clients", "8", "--seconds", "0.5", "--json")
     assert bench.returncode == 0, bench.stderr
