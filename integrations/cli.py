@@ -718,10 +718,10 @@ def parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser(
         "status",
-        help="a served registry's versions, live leases and what each replica serves",
-        description="Read a served registry's versions, live leases and the version each "
-        "replica reports serving. Publishers' liveness is not shown: the registry does not "
-        "track it yet.",
+        help="a served registry's publishers, versions, live leases and what each replica serves",
+        description="Read a served registry's publishers (each one's newest version, its state "
+        "and age), versions, live leases and the version each replica reports serving. A "
+        "publisher's liveness lease is not shown: the registry does not hold one yet.",
     )
     status.add_argument(
         "--registry",
