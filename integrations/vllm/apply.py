@@ -42,7 +42,7 @@ from ..torch_tensors import fingerprints
 @attrs.frozen
 class ApplyReport:
     tensors: int  # published tensors loaded
-    layers: int  # layers that took weights
+    layers: int  # layers whose loaded weights went through the backend's processing
     checked: int  # layers whose kernel tensors were compared (0 without the check)
     load_s: float
     check_s: float  # the check's share of load_s
@@ -89,7 +89,7 @@ def refuse_unsupported(model: torch.nn.Module) -> None:
     if bad:
         raise UnsupportedModelError(
             f"weightpull cannot verify an update of the fused-MoE layers {bad[:4]}{' ...' if len(bad) > 4 else ''} "
-            f"(quantized experts with post-load processing that vLLM skips on an update); "
+            "(quantized experts with post-load processing that vLLM skips on an update); "
             "serve this model unquantized, or update it by restarting the engine"
         )
 
