@@ -44,3 +44,16 @@ def test_the_cli_and_the_demo_keep_their_old_names_for_a_release():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new names do not warn
         from weightpull.integrations.cli import main as new_main  # noqa: F401
+
+
+def test_the_benches_old_module_paths_forward_for_a_release():
+    import pytest
+
+    from weightpull.integrations.bench import pull, registry, util
+
+    with pytest.warns(DeprecationWarning, match="weightpull.integrations.bench.pull"):
+        from weightpull.bench import BenchConfig, parse_size
+    assert BenchConfig is pull.BenchConfig and parse_size is util.parse_size
+    with pytest.warns(DeprecationWarning, match="weightpull.integrations.bench.registry"):
+        from weightpull.drivers.zmq_registry.bench import run_bench
+    assert run_bench is registry.run_bench
