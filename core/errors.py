@@ -85,6 +85,11 @@ class LeaseExpiredError(RegistryError):
 # -- the served registry -------------------------------------------------------------------
 
 
+class PermissionDeniedError(RegistryError, PermissionError):
+    """The principal that asked may not do this (another's lease, version or report, or
+    an operation its role lacks); the message names who asked, what, and the rule."""
+
+
 class RegistryUnavailableError(RegistryError, TimeoutError):
     """A served registry did not answer within the client's whole retry deadline."""
 

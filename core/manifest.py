@@ -47,6 +47,9 @@ class Manifest(schema.Record):
     # A sharded version: `layout` is the full one, each shard holds rows of it, and
     # source/slot/publisher repeat shards[0]'s. A shard's commit carries its own alone.
     shards: tuple[Shard, ...] = attrs.field(default=(), converter=_shards)
+    # The number its publisher asked for (its training step, say): versions are the
+    # registry's numbering, which gives another number when that one is taken.
+    step: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.digests is not None and len(self.digests) != len(self.layout.buckets):
@@ -77,8 +80,10 @@ class Manifest(schema.Record):
         return self.layout.total_bytes
 
 
-# Only a sharded manifest sends `shards`: an unsharded one's wire form is unchanged.
+# `shards` and `step` are sent only when set, so a manifest without them reads as ever.
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is Manifest,
-    lambda t: make_dict_unstructure_fn(t, schema.converter, shards=override(omit_if_default=True)),
+    lambda t: make_dict_unstructure_fn(
+        t, schema.converter, shards=override(omit_if_default=True), step=override(omit_if_default=True)
+    ),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 
 from . import schema
 from .states import VersionState
@@ -50,4 +51,14 @@ class RegistryStatus(schema.Record):
     newest_ready: int | None
     versions: tuple[VersionInfo, ...]
     leases: tuple[LeaseInfo, ...]
-    serving: Mapping[str, int]
+    serving: Mapping[str, int]  # replica -> the version it serves (live replicas only)
+    # principal name -> seconds its liveness has left (<= 0: lapsed); empty when the
+    # registry judges no liveness (an embedded one)
+    alive: Mapping[str, float] = attrs.Factory(dict)
+
+
+# `alive` is sent only when the registry judges liveness: a status without it reads as ever.
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is RegistryStatus,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, alive=override(omit_if_default=True)),
+)

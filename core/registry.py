@@ -16,8 +16,9 @@ from typing import Any, Protocol, Self, runtime_checkable
 import anyio
 
 from .clock import Clock, MonotonicClock, within
-from .errors import DriverUnavailableError, VersionWaitTimeoutError
+from .errors import DriverUnavailableError, InvalidArgumentError, VersionWaitTimeoutError
 from .manifest import Manifest
+from .principals import ADMIN, Principal
 from .records import Lease, LeaseInfo, RegistryStatus, VersionInfo
 from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
 
@@ -28,6 +29,7 @@ __all__ = [
     "InProcessRegistry",
     "Lease",
     "LeaseInfo",
+    "Principal",
     "Registry",
     "RegistryMachine",
     "RegistryStatus",
@@ -56,7 +58,9 @@ class Registry(AsyncResource, Protocol):
     operations are below; its lifecycle (`aclose`, `async with`) is `AsyncResource`'s,
     as it is no operation: nothing of it crosses the wire."""
 
-    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None: ...
+    async def begin(
+        self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
+    ) -> int: ...
     async def commit(self, manifest: Manifest) -> None: ...
     async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None: ...
     async def newest(self) -> Manifest | None: ...
@@ -74,56 +78,82 @@ class Registry(AsyncResource, Protocol):
 
 class InProcessRegistry:
     """The registry inside one process: the default, and what a served one wraps. Each
-    operation is one call on its `machine`; only `wait_for_version` awaits."""
+    operation is one call on its `machine`, made as `principal` (an admin by default:
+    one process owns all it holds); only `wait_for_version` awaits.
 
-    def __init__(self, clock: Clock | None = None, *, max_ttl: float = DEFAULT_MAX_TTL) -> None:
+    `as_principal(p)` gives a face on the same registry that acts as `p`, so one process
+    can try the authority rules a served registry enforces. `liveness_ttl` makes it judge
+    liveness too (a served registry does; in one process nobody dies alone, so off)."""
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        *,
+        max_ttl: float = DEFAULT_MAX_TTL,
+        liveness_ttl: float | None = None,
+        principal: Principal = ADMIN,
+        machine: RegistryMachine | None = None,
+    ) -> None:
+        if not isinstance(principal, Principal):
+            raise InvalidArgumentError(f"principal must be a Principal, got {principal!r}")
         self.clock: Clock = clock or MonotonicClock()
-        self.machine = RegistryMachine(self.clock, max_ttl=max_ttl)
+        self.machine = machine or RegistryMachine(self.clock, max_ttl=max_ttl, liveness_ttl=liveness_ttl)
+        self.principal = principal
         self.machine.watch(self._announced)
         self._committed: anyio.Event | None = None  # made lazily: needs a running loop
+
+    def as_principal(self, principal: Principal) -> InProcessRegistry:
+        """This registry, acting as `principal`."""
+        return InProcessRegistry(self.clock, principal=principal, machine=self.machine)
 
     @property
     def max_ttl(self) -> float:
         return self.machine.max_ttl
 
-    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
-        self.machine.begin(version, publisher=publisher, slot=slot, shard=shard)
+    async def begin(
+        self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
+    ) -> int:
+        return self.machine.begin(version, publisher=publisher, slot=slot, shard=shard, by=self.principal)
 
     async def commit(self, manifest: Manifest) -> None:
-        self.machine.commit(manifest)
+        self.machine.commit(manifest, by=self.principal)
 
     async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
-        self.machine.abort(version, reason, shard=shard)
+        self.machine.abort(version, reason, shard=shard, by=self.principal)
 
     async def retire(self, version: int) -> None:
-        self.machine.retire(version)
+        self.machine.retire(version, by=self.principal)
 
     async def reclaim(self, version: int) -> None:
-        self.machine.reclaim(version)
+        self.machine.reclaim(version, by=self.principal)
 
     async def newest(self) -> Manifest | None:
-        return self.machine.newest()
+        return self.machine.newest(by=self.principal)
 
     async def get(self, version: int) -> Manifest:
-        return self.machine.get(version)
+        return self.machine.get(version, by=self.principal)
 
     async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
-        return self.machine.acquire(version, ttl=ttl, holder=holder)
+        return self.machine.acquire(version, ttl=ttl, holder=holder, by=self.principal)
 
     async def renew(self, lease: Lease) -> Lease:
-        return self.machine.renew(lease)
+        return self.machine.renew(lease, by=self.principal)
 
     async def release(self, lease: Lease) -> None:
-        self.machine.release(lease)
+        self.machine.release(lease, by=self.principal)
 
     async def is_valid(self, lease: Lease) -> bool:
-        return self.machine.is_valid(lease)
+        return self.machine.is_valid(lease, by=self.principal)
 
     async def report_serving(self, replica: str, version: int) -> None:
-        self.machine.report_serving(replica, version)
+        self.machine.report_serving(replica, version, by=self.principal)
+
+    async def keepalive(self, names: tuple[str, ...] = ()) -> None:
+        """Renew this principal's liveness, and that of the names given."""
+        self.machine.keepalive(names, by=self.principal)
 
     async def status(self) -> RegistryStatus:
-        return self.machine.status()
+        return self.machine.status(by=self.principal)
 
     async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
         """The newest READY manifest once its version is at least `min_version`."""

@@ -9,14 +9,29 @@ registry, the ZeroMQ server, a fuzzer) gets each operation whole, with no lock.
 Retired versions take no new leases. Leases granted before a version retired stay
 valid and renewable until released or expired, so reads in flight finish; refusing new
 ones is what lets a retired slot drain and be reclaimed while readers keep polling.
+
+Authority: every operation names the principal that asks (`by`, principals.py) and is
+checked here, so an embedded registry, the server and the fuzzer enforce one set of rules.
+A version belongs to the principal that began it (its *owner*: a publisher's name, or for
+an admin the first part of the publisher name it wrote under); a lease to the owner of its
+holder name; a serving report to the owner of its replica name. Only the owner, or an
+admin, acts on them; a lease id alone authorizes nothing. The registry numbers versions:
+a publisher asks for a number (its step, say) and gets it when it is still free, else
+the next free one, so no other principal can make its next version fail.
+
+Liveness (with `liveness_ttl`): every principal that is heard from (any operation, or a
+`keepalive` naming the names it owns) stays alive for `liveness_ttl` seconds. When a
+publisher lapses, its WRITING versions end ABORTED and its READY version is withdrawn
+(RETIRED), each with the reason; when a reader lapses, its serving reports go.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import attrs
 
@@ -25,18 +40,24 @@ from .errors import (
     LeaseExpiredError,
     LeaseNotFoundError,
     NoReadyVersionError,
+    PermissionDeniedError,
     VersionInUseError,
     VersionNotFoundError,
     VersionOrderError,
     VersionStateError,
 )
 from .manifest import Manifest
+from .principals import ADMIN, Principal, Role, root
 from .records import Lease, LeaseInfo, RegistryStatus, VersionInfo
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
 from .states import LEASE, VERSION, LeaseEvent, LeaseState, VersionEvent, VersionState
 
+log = logging.getLogger("weightpull.registry")
+
 DEFAULT_MAX_TTL = 600.0
+MAX_VERSION = 2**63 - 1  # versions fit a signed 64-bit integer wherever they are stored
+MAX_VERSION_JUMP = 2**32  # how far past the highest version a non-admin may ask to begin
 _MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
 
 
@@ -70,6 +91,8 @@ class _Version:
     reason: str = ""
     leases: dict[str, _Lease] = attrs.Factory(dict)
     shards: ShardAssembly | None = None  # None: one plain publisher writes it
+    owner: str = ""  # the principal name it belongs to
+    asked: int = -1  # the number its publisher asked for (shards of one version ask alike)
 
     def slots(self) -> list[tuple[str, int]]:
         """(publisher, slot) of every slot that holds a part of it."""
@@ -91,17 +114,23 @@ def check_name(what: str, value: object) -> str:
 class RegistryMachine:
     """Every decision of the registry, one synchronous call each. Methods and errors are
     those of the `Registry` protocol, less `wait_for_version` (waiting is I/O: `watch`
-    tells a waiter when a version is announced)."""
+    tells a waiter when a version is announced), plus `by`: the principal that asks
+    (an admin when left out, as an embedded registry's own process is)."""
 
-    def __init__(self, clock: Now, *, max_ttl: float = DEFAULT_MAX_TTL) -> None:
+    def __init__(self, clock: Now, *, max_ttl: float = DEFAULT_MAX_TTL, liveness_ttl: float | None = None) -> None:
+        if liveness_ttl is not None and not (isinstance(liveness_ttl, (int, float)) and liveness_ttl > 0):
+            raise InvalidArgumentError(f"liveness_ttl must be positive seconds or None, got {liveness_ttl!r}")
         self.clock = clock
         self.max_ttl = max_ttl
+        self.liveness_ttl = liveness_ttl
         self._versions: dict[int, _Version] = {}
         self._lease_index: dict[str, int] = {}  # lease id -> version
         self._highest_begun = -1
         self._highest_announced = -1  # withdrawn or not: announced versions only go up
         self._newest_ready: int | None = None
         self._serving: dict[str, int] = {}
+        self._alive: dict[str, float] = {}  # principal name -> when its liveness lapses
+        self._lapsed: set[str] = set()  # those whose lapse was acted on
         # Lease ids are unique across registries: one from before a served registry
         # restarted is never mistaken for one granted since.
         self._lease_prefix = uuid.uuid4().hex[:12]
@@ -110,6 +139,7 @@ class RegistryMachine:
 
     @property
     def newest_ready(self) -> int | None:
+        self._sweep()
         return self._newest_ready
 
     def watch(self, callback: Callable[[], None]) -> None:
@@ -118,30 +148,39 @@ class RegistryMachine:
 
     # -- publishing ----------------------------------------------------------------------
 
-    def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
-        """Record `version` as WRITING into `slot`. Versions strictly increase, and a slot
-        is only begun once the version it held was reclaimed.
+    def begin(
+        self,
+        version: int | None = None,
+        *,
+        publisher: str,
+        slot: int,
+        shard: tuple[int, int] | None = None,
+        by: Principal = ADMIN,
+    ) -> int:
+        """Record a version as WRITING into `slot`; return its number. `version` is the
+        number asked for (None: the next): it is given when it exceeds every version begun,
+        else, if another principal's versions took it, the next free number; asking again
+        for a number of one's own is a `VersionOrderError`. A slot is only begun once the
+        version it held was reclaimed.
 
-        With `shard=(index, count)` the version is written by `count` shard publishers:
-        the first to begin it creates it, the others join it while it is WRITING."""
-        check_int("version", version)
+        With `shard=(index, count)` the version is written by `count` shard publishers of
+        one principal asking for the same number: the first to begin it creates it, the
+        others join it while it is WRITING."""
+        self._enter(by, "begin")
         check_name("publisher", publisher)
         check_int("slot", slot)
+        asked = None if version is None else check_int("version", version)
         index, count = check_shard(*shard) if shard is not None else (0, 0)
-        record = self._versions.get(version)
-        joining = record.shards if record is not None and shard is not None else None  # of a sharded version
-        if record is not None and joining is not None:
-            if record.state is not VersionState.WRITING:
+        owner = self._check_publisher(by, "begin", publisher)
+        joining = None if shard is None or asked is None else self._find_sharded(None if by.is_admin else owner, asked)
+        if joining is not None:
+            assert joining.shards is not None
+            if joining.state is not VersionState.WRITING:
                 raise VersionStateError(
-                    f"version {version} is {record.state} ({record.reason}); shard {index} cannot join it"
+                    f"version {joining.version} is {joining.state} ({joining.reason}); shard {index} cannot join it"
                 )
-            joining.check_join(index, count)
-        elif version <= self._highest_begun:
-            raise VersionOrderError(
-                f"version {version} must exceed every version begun before (highest so far: {self._highest_begun})"
-            )
-        elif record is not None:  # a shard's abort came before any begin
-            raise VersionStateError(f"version {version} is {record.state} ({record.reason}) before it began")
+            joining.shards.check_join(index, count)
+        number = joining.version if joining is not None else self._number(asked, by)
         for v in self._versions.values():
             if (publisher, slot) in v.slots():
                 raise VersionInUseError(
@@ -149,20 +188,33 @@ class RegistryMachine:
                     f"({v.state}); reclaim it before writing the slot again"
                 )
         if joining is not None:
-            joining.join(index, publisher, slot)
-            return
-        self._highest_begun = version
+            assert joining.shards is not None
+            joining.shards.join(index, publisher, slot)
+            return number
+        self._highest_begun = number
         shards = None
         if shard is not None:
-            shards = ShardAssembly(version, count)
+            shards = ShardAssembly(number, count)
             shards.join(index, publisher, slot)
-        self._versions[version] = _Version(version, publisher, slot, self.clock.now(), shards=shards)
+        self._versions[number] = _Version(
+            number,
+            publisher,
+            slot,
+            self.clock.now(),
+            shards=shards,
+            owner=owner,
+            asked=number if asked is None else asked,
+        )
+        return number
 
-    def commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: Manifest, *, by: Principal = ADMIN) -> None:
         """WRITING -> READY; the previous newest READY version retires. A sharded version
         takes each shard's commit, of a manifest naming that shard alone, and turns READY
         at the last one."""
+        self._enter(by, "commit")
         record = self._record(manifest.version)
+        self._check_owner(by, record, "commit")
+        self._check_publisher(by, "commit", manifest.publisher)
         if record.shards is not None:
             if record.shards.commit(
                 manifest, state=record.state, reason=record.reason, announced=self._highest_announced
@@ -203,41 +255,60 @@ class RegistryMachine:
         for callback in self._watchers:
             callback()
 
-    def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
-        """WRITING -> ABORTED. Any shard may abort a sharded version, even before any
-        shard began it (its siblings are then refused), and aborting it again does nothing."""
+    def abort(
+        self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None, by: Principal = ADMIN
+    ) -> None:
+        """WRITING -> ABORTED. Any shard may abort a sharded version by the number its
+        shards asked for, even before any shard began it (its siblings are then refused),
+        and aborting it again does nothing."""
+        self._enter(by, "abort")
         if shard is not None:
             _, count = check_shard(*shard)
-            if check_int("version", version) not in self._versions:
-                self._versions[version] = _Version(
-                    version,
+            check_int("version", version)
+            if by.role is Role.READER:
+                self._refuse(by, "abort", f"v{version}", "readers cannot begin or end versions")
+            owner = None if by.is_admin else by.name
+            found = self._find_sharded(owner, version)
+            if found is None:  # before any shard began: a tombstone its siblings will find
+                number = version if version not in self._versions else max(self._versions) + 1
+                self._versions[number] = _Version(
+                    number,
                     "",
                     0,
                     self.clock.now(),
                     VersionState.ABORTED,
                     reason=reason,
-                    shards=ShardAssembly(version, count),
+                    shards=ShardAssembly(number, count),
+                    owner=owner or "",
+                    asked=version,
                 )
                 return
+            version = found.version
         record = self._record(version)
+        self._check_owner(by, record, "abort")
         if record.shards is not None and record.state is VersionState.ABORTED:
             return
         self._move(record, VersionEvent.ABORT)
         record.reason = reason
 
-    def retire(self, version: int) -> None:
+    def retire(self, version: int, *, by: Principal = ADMIN) -> None:
         """Withdraw a READY version: no new leases; those held stay valid."""
+        self._enter(by, "retire")
         record = self._record(version)
+        self._check_owner(by, record, "retire")
         self._move(record, VersionEvent.RETIRE)
+        record.reason = record.reason or f"retired by {by}"
         if self._newest_ready == version:
             self._newest_ready = None
 
-    def reclaim(self, version: int) -> None:
+    def reclaim(self, version: int, *, by: Principal = ADMIN) -> None:
         """Give a RETIRED or ABORTED version's slot back to its publisher. Refused while
         any lease on it is alive; the newest READY version is never reclaimable. Of a
         sharded version, the first shard's reclaim drops it: its siblings then find it
         gone, which frees their slots too (no lease on it can ever be valid again)."""
+        self._enter(by, "reclaim")
         record = self._record(version)
+        self._check_owner(by, record, "reclaim")
         if record.shards is not None and record.state is VersionState.WRITING:
             raise VersionInUseError(
                 f"version {version} is WRITING: shards {record.shards.waiting()} have not committed"
@@ -248,37 +319,40 @@ class RegistryMachine:
             raise VersionInUseError(f"version {version} is leased by {holders}")
         if record.state is VersionState.READY:
             raise VersionInUseError(f"version {version} is READY; retire it first")
-        self._move(record, VersionEvent.RECLAIM)
-        for lease_id in record.leases:
-            self._lease_index.pop(lease_id, None)
-        del self._versions[version]
+        self._drop(record)
 
     # -- reading -------------------------------------------------------------------------
 
-    def newest(self) -> Manifest | None:
+    def newest(self, *, by: Principal = ADMIN) -> Manifest | None:
+        self._enter(by, "newest")
         if self._newest_ready is None:
             return None
         return self._versions[self._newest_ready].manifest
 
-    def get(self, version: int) -> Manifest:
+    def get(self, version: int, *, by: Principal = ADMIN) -> Manifest:
+        self._enter(by, "get")
         record = self._record(version)
         if record.manifest is None:
             raise VersionStateError(f"version {version} is {record.state}: it has no manifest")
         return record.manifest
 
-    def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
+    def acquire(self, version: int | None = None, *, ttl: float, holder: str, by: Principal = ADMIN) -> Lease:
         """Lease the newest READY version, or `version` if it is READY."""
+        self._enter(by, "acquire")
         check_name("holder", holder)
+        if not by.owns(holder):
+            self._refuse(by, "acquire", f"a lease for {holder!r}", "a principal holds leases only under its own names")
         if not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl:
             raise InvalidArgumentError(f"ttl must be in (0, {self.max_ttl}] seconds, got {ttl!r}")
         if version is None:
             if self._newest_ready is None:
-                raise NoReadyVersionError("no version is READY yet")
+                raise NoReadyVersionError(self._why_none_ready())
             version = self._newest_ready
         record = self._record(version)
         if record.state is not VersionState.READY:
+            why = f" ({record.reason})" if record.reason else ""
             raise VersionStateError(
-                f"version {version} is {record.state} and takes no new leases (newest READY: {self._newest_ready})"
+                f"version {version} is {record.state}{why} and takes no new leases (newest READY: {self._newest_ready})"
             )
         lease = _Lease(
             f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl
@@ -288,32 +362,54 @@ class RegistryMachine:
         self._lease_index[lease.id] = version
         return lease.public()
 
-    def renew(self, lease: Lease) -> Lease:
+    def renew(self, lease: Lease, *, by: Principal = ADMIN) -> Lease:
+        self._enter(by, "renew")
         record = self._lease(lease)
         if record is None:
             raise LeaseNotFoundError(f"lease {lease.id} on v{lease.version} is unknown")
+        self._check_holder(by, record, "renew")
         if self._expired(record):
             raise LeaseExpiredError(f"lease {lease.id} of {record.holder!r} on v{record.version} expired")
         record.state = LEASE.fire(record.state, LeaseEvent.RENEW, f"{lease.id}")
         record.expires_at = self.clock.now() + record.ttl
         return record.public()
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease, *, by: Principal = ADMIN) -> None:
         """End a lease. Idempotent: releasing an ended or forgotten lease does nothing."""
+        self._enter(by, "release")
         record = self._lease(lease)
+        if record is not None:
+            self._check_holder(by, record, "release")
         if record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE:
             record.state = LEASE.fire(record.state, LeaseEvent.RELEASE, f"{lease.id}")
 
-    def is_valid(self, lease: Lease) -> bool:
+    def is_valid(self, lease: Lease, *, by: Principal = ADMIN) -> bool:
+        self._enter(by, "is_valid")
         record = self._lease(lease)
         return record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE
 
-    # -- replicas and status -------------------------------------------------------------
+    # -- replicas, liveness and status ---------------------------------------------------
 
-    def report_serving(self, replica: str, version: int) -> None:
-        self._serving[check_name("replica", replica)] = check_int("version", version)
+    def report_serving(self, replica: str, version: int, *, by: Principal = ADMIN) -> None:
+        self._enter(by, "report_serving")
+        check_name("replica", replica)
+        if not by.owns(replica):
+            self._refuse(by, "report_serving", f"replica {replica!r}", "a principal reports only what it serves itself")
+        self._serving[replica] = check_int("version", version)
+        self._touch(root(replica))
 
-    def status(self) -> RegistryStatus:
+    def keepalive(self, names: tuple[str, ...] | list[str] = (), *, by: Principal = ADMIN) -> None:
+        """Renew the liveness of `by` and of the names given (publisher or replica names it
+        owns): what a client's heartbeat sends. Every other operation renews `by` too."""
+        self._enter(by, "keepalive")
+        for name in names:
+            check_name("name", name)
+            if not by.owns(name):
+                self._refuse(by, "keepalive", f"{name!r}", "a principal keeps alive only its own names")
+            self._touch(root(name))
+
+    def status(self, *, by: Principal = ADMIN) -> RegistryStatus:
+        self._enter(by, "status")
         now = self.clock.now()
         versions, leases = [], []
         for record in sorted(self._versions.values(), key=lambda r: r.version):
@@ -331,7 +427,113 @@ class RegistryMachine:
                 )
             )
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
-        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), dict(self._serving))
+        serving = {r: v for r, v in self._serving.items() if root(r) not in self._lapsed}
+        alive = {name: expires - now for name, expires in sorted(self._alive.items())}
+        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), serving, alive)
+
+    # -- authority -----------------------------------------------------------------------
+
+    def _enter(self, by: Principal, op: str) -> None:
+        """What every operation does first: act on lapsed liveness, then renew the asker's."""
+        if not isinstance(by, Principal):
+            raise InvalidArgumentError(f"{op}: `by` must be a Principal, got {by!r}")
+        self._sweep()
+        if not by.is_admin:
+            self._touch(by.name)
+
+    def _refuse(self, by: Principal, op: str, what: str, rule: str) -> NoReturn:
+        log.warning("refused %s of %s by %s: %s", op, what, by, rule)
+        raise PermissionDeniedError(f"{by} may not {op} {what}: {rule}")
+
+    def _check_publisher(self, by: Principal, op: str, publisher: str) -> str:
+        """The owner of a version `by` writes under `publisher`."""
+        if by.role is Role.READER:
+            self._refuse(by, op, f"a version as {publisher!r}", "readers cannot begin or end versions")
+        if not by.owns(publisher):
+            self._refuse(by, op, f"a version as {publisher!r}", "a publisher writes only under its own name")
+        return root(publisher) if by.is_admin else by.name
+
+    def _check_owner(self, by: Principal, record: _Version, op: str) -> None:
+        if by.is_admin:
+            return
+        if by.role is Role.READER:
+            self._refuse(by, op, f"v{record.version}", "readers cannot begin or end versions")
+        if record.owner != by.name:
+            self._refuse(by, op, f"v{record.version}", f"it belongs to publisher {record.owner!r}")
+
+    def _check_holder(self, by: Principal, lease: _Lease, op: str) -> None:
+        if not by.owns(lease.holder):
+            self._refuse(by, op, f"lease {lease.id}", f"it is held by {lease.holder!r}")
+
+    def _number(self, asked: int | None, by: Principal) -> int:
+        """The number a new version gets when `asked` for: the number asked, while it
+        exceeds every version begun and is free; else the next free one (another
+        principal's versions took it, or a restarted publisher asks again from its start)."""
+        following = self._highest_begun + 1
+        if asked is None or asked < following or asked in self._versions:
+            number = max(following, max(self._versions, default=-1) + 1)
+        elif not by.is_admin and asked - following > MAX_VERSION_JUMP:
+            raise InvalidArgumentError(
+                f"version {asked} is more than {MAX_VERSION_JUMP} past the next, {following}: ask for a nearer one"
+            )
+        else:
+            number = asked
+        if number > MAX_VERSION:
+            raise InvalidArgumentError(f"versions are at most {MAX_VERSION}; v{number} cannot be begun")
+        return number
+
+    def _find_sharded(self, owner: str | None, asked: int) -> _Version | None:
+        """The sharded version of `owner` (None: an admin asks, of anyone) whose shards
+        asked for `asked`, if any."""
+        record = self._versions.get(asked)
+        if record is not None and record.shards is not None and owner in (None, record.owner):
+            return record  # given the number asked, as it mostly is
+        for record in self._versions.values():
+            if record.shards is not None and record.owner == owner and record.asked == asked:
+                return record
+        return None
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def _touch(self, name: str) -> None:
+        if self.liveness_ttl is None:
+            return
+        self._alive[name] = self.clock.now() + self.liveness_ttl
+        if name in self._lapsed:  # back after a lapse (restarted): its old versions' slots are gone
+            self._lapsed.discard(name)
+            for record in [v for v in self._versions.values() if v.owner == name]:
+                if record.state in (VersionState.ABORTED, VersionState.RETIRED) and not self._live_leases(record):
+                    self._drop(record)
+
+    def _sweep(self) -> None:
+        """End what principals whose liveness lapsed leave behind."""
+        if self.liveness_ttl is None:
+            return
+        now = self.clock.now()
+        for name, expires in self._alive.items():
+            if expires > now or name in self._lapsed:
+                continue
+            self._lapsed.add(name)
+            why = f"publisher {name!r} lapsed: not heard from for {self.liveness_ttl:g} s"
+            for record in sorted(self._versions.values(), key=lambda r: r.version):
+                if record.owner != name:
+                    continue
+                if record.state is VersionState.WRITING:
+                    self._move(record, VersionEvent.ABORT)
+                    record.reason = why
+                elif record.state is VersionState.READY:
+                    self._move(record, VersionEvent.RETIRE)
+                    record.reason = f"withdrawn: {why}"
+                    if self._newest_ready == record.version:
+                        self._newest_ready = None
+                    log.warning("withdrew v%s: %s", record.version, why)
+
+    def _why_none_ready(self) -> str:
+        withdrawn = [v for v in self._versions.values() if v.state is VersionState.RETIRED and v.reason]
+        if self._newest_ready is None and withdrawn:
+            last = max(withdrawn, key=lambda v: v.version)
+            return f"no version is READY: v{last.version} was {last.reason}"
+        return "no version is READY yet"
 
     # -- internals -----------------------------------------------------------------------
 
@@ -344,6 +546,12 @@ class RegistryMachine:
 
     def _move(self, record: _Version, event: VersionEvent) -> None:
         record.state = VERSION.fire(record.state, event, f"v{record.version}")
+
+    def _drop(self, record: _Version) -> None:
+        self._move(record, VersionEvent.RECLAIM)
+        for lease_id in record.leases:
+            self._lease_index.pop(lease_id, None)
+        del self._versions[record.version]
 
     def _lease(self, lease: Lease) -> _Lease | None:
         version = self._lease_index.get(lease.id)
