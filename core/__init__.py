@@ -27,6 +27,7 @@ from .errors import (
     NoProgressError,
     NoReadyVersionError,
     PeerGoneError,
+    PermissionDeniedError,
     ProtocolError,
     PublishError,
     PullError,
@@ -49,6 +50,7 @@ from .errors import (
 )
 from .layout import Bucket, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest
+from .principals import Principal, Role
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
 from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, connect_registry
@@ -93,11 +95,13 @@ __all__ = [
     "NoReadyVersionError",
     "PauseMode",
     "PeerGoneError",
+    "PermissionDeniedError",
     "Placement",
     "Prompt",
     "ProtocolError",
     "PublishError",
     "PublishResult",
+    "Principal",
     "Publisher",
     "PullError",
     "Pulled",
@@ -110,6 +114,7 @@ __all__ = [
     "RegistryUnavailableError",
     "Remote",
     "ReplayedMessageError",
+    "Role",
     "Shard",
     "Sharding",
     "SlotState",

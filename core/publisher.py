@@ -33,9 +33,10 @@ from .errors import (
 )
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
+from .principals import Principal, Role
 from .registry import Registry
 from .sharding import Rows, Shard, Sharding
-from .states import SLOT, SlotEvent, SlotState
+from .states import SLOT, SlotEvent, SlotState, VersionState
 from .tasks import close_owned
 from .tensors import TensorAdapter, adapter_for, normalize_dtype
 from .transport import Region, Transport
@@ -89,6 +90,15 @@ def choose_slot(slots: Sequence[tuple[SlotState, int | None]], kept: Collection[
     return min(free, key=lambda i: _oldest_first(slots[i]), default=None)
 
 
+def default_name(registry: Registry) -> str:
+    """The name of a publisher that gives none: its registry's publisher principal's own
+    (so a restarted trainer finds its earlier versions under it), else a fresh one."""
+    principal = getattr(registry, "principal", None)
+    if isinstance(principal, Principal) and principal.role is Role.PUBLISHER:
+        return principal.name
+    return f"publisher-{uuid.uuid4().hex[:8]}"
+
+
 class Publisher:
     def __init__(
         self,
@@ -129,11 +139,13 @@ class Publisher:
         self.align = align
         self.digests = digests
         self.device = device
-        self.name = name or f"publisher-{uuid.uuid4().hex[:8]}"
+        self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
         self.adapter = adapter
         self.slots = [_Slot(i) for i in range(num_slots)]
-        self.last_version: int | None = None
+        self.last_version: int | None = None  # the number the registry gave the last publish
+        self._last_asked: int | None = None
+        self._adopted = False  # whether the registry's record of our slots was read
         self._plans: tuple[Any, tuple[Layout, tuple[Rows, ...], Layout]] | None = None  # (what, plan)
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
         self._serving: anyio.abc.TaskGroup | None = None  # while used as a context manager
@@ -176,19 +188,27 @@ class Publisher:
 
     async def publish(
         self,
-        version: int,
+        version: int | None,
         tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
         *,
         shard: Sharding | None = None,
     ) -> PublishResult:
-        """Copy `tensors` into a free slot as `version` and announce it. Returns once the
-        version is READY, or skipped (policy SKIP). On failure the version ends ABORTED
-        and the previous READY version stays as it was.
+        """Copy `tensors` into a free slot and announce them. `version` is the number asked
+        for (the training step, say; None: the next): the registry gives it while it is
+        free, else the next free number, and the result says which (the manifest records
+        the number asked as `step`). Returns once the version is READY, or skipped (policy
+        SKIP).
+
+        A failure once the version was begun (the copy, the tensors' own iterator or
+        adapter raising midway, the commit) ends it ABORTED in the registry, with the
+        reason, and raises `PublishError` chained to the cause; the slot policy's
+        `NoFreeSlotError` and `SlotWaitTimeoutError` come before any version is begun and
+        keep their types. The previous READY version stays as it was.
 
         With `shard`, `tensors` are this publisher's rows of a version that `shard.count`
-        publishers write together: it returns once its shard is committed, and the
-        version turns READY when every shard is. Its failure, or its skip, aborts the
-        version for every shard."""
+        publishers write together, each asking for the same number: it returns once its
+        shard is committed, and the version turns READY when every shard is. Its failure,
+        or its skip, aborts the version for every shard."""
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:  # one publish at a time: slots are taken and filled in turn
@@ -202,43 +222,50 @@ class Publisher:
             return result
 
     async def _publish(
-        self, version: int, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
+        self, asked: int | None, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
     ) -> PublishResult:
         started = self.clock.now()
-        if self.last_version is not None and version <= self.last_version:
-            raise VersionOrderError(f"version {version} must exceed the last published, {self.last_version}")
-        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
-        if not items:
-            raise InvalidArgumentError("publish needs at least one tensor")
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 0):
+            raise InvalidArgumentError(f"version must be a non-negative int or None, got {asked!r}")
+        if asked is not None and self._last_asked is not None and asked <= self._last_asked:
+            raise VersionOrderError(f"version {asked} must exceed the last asked for, {self._last_asked}")
         if shard is not None and self.digests:
             raise InvalidArgumentError("digests cover whole slots; a sharded version records none (digests=False)")
-        adapter = self.adapter or adapter_for(items[0][1])
-        layout, rows, packed = self._plan([adapter.describe(n, v, self.rollout_dtype) for n, v in items], shard)
+        if shard is not None and asked is None:
+            raise InvalidArgumentError("the shards of one version find each other by the number they ask for: pass it")
         # A shard that gives up before it begins still aborts the version, so that its
         # siblings neither wait on it nor hold their slots for it.
         tag = {} if shard is None else {"shard": (shard.index, shard.count)}
-
+        # A mapping is checked whole before anything is asked of the registry (bad input:
+        # InvalidArgumentError, nothing recorded); an iterator is read once begun.
+        prepared = self._prepare(tensors, shard) if isinstance(tensors, Mapping) else None
+        if not self._adopted and shard is None:
+            await self._adopt()
         try:
-            slot = await self._take_slot(version)
+            slot = await self._take_slot(asked)
         except BaseException as exc:
-            if shard is not None:
-                await self._abort(version, repr(exc), tag)
+            if shard is not None and asked is not None:
+                await self._abort(asked, repr(exc), tag)
             raise
         if slot is None:
-            if shard is not None:
-                await self._abort(version, f"shard {shard.index} found no free slot", tag)
-            return PublishResult(version, True, None, None, self.clock.now() - started)
+            if shard is not None and asked is not None:
+                await self._abort(asked, f"shard {shard.index} found no free slot", tag)
+            return PublishResult(-1 if asked is None else asked, True, None, None, self.clock.now() - started)
         slot.move(SlotEvent.FILL)
         try:
-            region = self._fit(slot, packed.total_bytes)
-            await self.registry.begin(version, publisher=self.name, slot=slot.index, **tag)
+            given = await self.registry.begin(asked, publisher=self.name, slot=slot.index, **tag)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
-            if shard is not None:
-                await self._abort(version, repr(exc), tag)
+            if shard is not None and asked is not None:
+                await self._abort(asked, repr(exc), tag)
             raise
+        version = asked if given is None else given  # None: a registry of the older protocol
+        assert version is not None
+        self._last_asked = version if asked is None else asked
         self.last_version = version
         try:
+            items, adapter, (layout, rows, packed) = prepared or self._prepare(tensors, shard)
+            region = self._fit(slot, packed.total_bytes)
             await adapter.write([(v, packed[n]) for n, v in items], region)
             await adapter.fence()
             digests = await self._digests(region, layout) if self.digests else None
@@ -248,19 +275,53 @@ class Publisher:
                 else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
             )
             manifest = Manifest(
-                version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts
+                version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts, asked
             )
             await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
             slot.version = version  # the ABORTED record must be reclaimed before reuse
             await self._abort(version, repr(exc), tag)
-            if isinstance(exc, Exception) and not isinstance(exc, WeightpullError):
+            if isinstance(exc, Exception):
                 raise PublishError(f"publish of v{version} failed: {exc!r}") from exc
             raise
         slot.move(SlotEvent.COMMIT)
         slot.version = version
         return PublishResult(version, False, slot.index, manifest, self.clock.now() - started)
+
+    def _prepare(
+        self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
+    ) -> tuple[list[tuple[str, Any]], TensorAdapter, tuple[Layout, tuple[Rows, ...], Layout]]:
+        """The tensors, their adapter and the plan of where each goes."""
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        if not items:
+            raise InvalidArgumentError("publish needs at least one tensor")
+        adapter = self.adapter or adapter_for(items[0][1])
+        return items, adapter, self._plan([adapter.describe(n, v, self.rollout_dtype) for n, v in items], shard)
+
+    async def _adopt(self) -> None:
+        """Before the first publish, take over what the registry still records in this
+        publisher's slots: a process restarted under the same name finds its earlier
+        versions there, and must reclaim (or, if it was left WRITING, abort) each before
+        it writes that slot again."""
+        self._adopted = True
+        try:
+            status = await self.registry.status()
+        except WeightpullError as exc:  # the publish itself will meet the registry's state
+            log.warning("%s: could not read the registry's status: %s", self.name, exc)
+            return
+        for info in status.versions:
+            if info.publisher != self.name:
+                continue
+            if info.state is VersionState.WRITING:
+                await self._abort(info.version, f"{self.name} restarted while writing it", {})
+            if not 0 <= info.slot < len(self.slots):
+                continue
+            slot = self.slots[info.slot]
+            if slot.state is not SlotState.FREE or slot.version is not None:
+                continue
+            slot.version = info.version
+            log.info("%s: slot %d still holds v%d (%s) from before", self.name, info.slot, info.version, info.state)
 
     async def _abort(self, version: int, reason: str, tag: dict[str, Any]) -> None:
         with anyio.CancelScope(shield=True):
@@ -292,7 +353,8 @@ class Publisher:
         slot.descriptor = self.transport.export(slot.region)
         return slot.region
 
-    async def _take_slot(self, version: int) -> _Slot | None:
+    async def _take_slot(self, version: int | None) -> _Slot | None:
+        what = "the next version" if version is None else f"v{version}"
         deadline = self.clock.now() + self.wait_timeout
         while True:
             kept: dict[int, str] = {}  # version -> why the registry keeps it (its reclaim's refusal)
@@ -317,12 +379,12 @@ class Publisher:
                 for s in sorted(self.slots, key=lambda s: _oldest_first((s.state, s.version)))
             )
             if self.when_full is WhenFull.SKIP:
-                log.info("skipping v%s: no free slot (%s)", version, detail)
+                log.info("skipping %s: no free slot (%s)", what, detail)
                 return None
             if self.when_full is WhenFull.FAIL:
-                raise NoFreeSlotError(f"no free slot for v{version}: {detail}")
+                raise NoFreeSlotError(f"no free slot for {what}: {detail}")
             if self.clock.now() >= deadline:
-                raise SlotWaitTimeoutError(f"no slot freed for v{version} within {self.wait_timeout} s: {detail}")
+                raise SlotWaitTimeoutError(f"no slot freed for {what} within {self.wait_timeout} s: {detail}")
             await self.clock.sleep(min(self.poll_interval, max(0.0, deadline - self.clock.now())))
 
     async def _digests(self, region: Region, layout: Layout) -> tuple[str, ...]:

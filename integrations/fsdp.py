@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from weightpull.errors import InvalidArgumentError, PublishError
 from weightpull.layout import TensorSpec
-from weightpull.registry import Registry
+from weightpull.principals import Principal, Role
+from weightpull.registry import Registry, connect_registry
 from weightpull.sharding import Sharding, chunk_rows
 from weightpull.transport import Transport
 
@@ -81,6 +82,11 @@ def _dim0_shard(name: str, tensor: DTensor) -> tuple[int, int, int]:
     return index, count, start
 
 
+def _principal_name(registry: Registry) -> str | None:
+    principal = getattr(registry, "principal", None)
+    return principal.name if isinstance(principal, Principal) and principal.role is Role.PUBLISHER else None
+
+
 class FSDPPublisher:
     """Publishes an FSDP2 model's weights; make one on every rank.
 
@@ -108,7 +114,13 @@ class FSDPPublisher:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.blocking = BlockingTime()
         state = named_state(model)
-        name = f"{name or 'fsdp-' + uuid.uuid4().hex[:8]}-rank{self.rank}"
+        if registry is None or isinstance(registry, str):  # connected here, so the name can follow its key
+            registry = connect_registry(registry)
+            owns_registry = True
+        else:
+            owns_registry = False
+        # One publisher principal, every rank under its name: they act as one publisher.
+        name = f"{name or _principal_name(registry) or 'fsdp-' + uuid.uuid4().hex[:8]}/rank{self.rank}"
         self.sharding: Sharding | None = None
         specs: list[TensorSpec] | None = None
         if self.mode is Mode.SHARDED:
@@ -121,7 +133,14 @@ class FSDPPublisher:
             None
             if specs is None
             else SnapshotPublisher(
-                registry, transport, specs, device=device, rollout_dtype=rollout_dtype, name=name, **options
+                registry,
+                transport,
+                specs,
+                device=device,
+                rollout_dtype=rollout_dtype,
+                name=name,
+                close_registry=owns_registry,
+                **options,
             )
         )
 

@@ -120,7 +120,8 @@ class SnapshotPublisher:
     staging buffer, `slot_device` the slots (a GPU for drivers that read GPU memory
     directly, such as cuda_ipc). `specs` are the
     tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). Other
-    options go to the `Publisher`. Use it from one thread; `close()` when done."""
+    options go to the `Publisher`. Use it from one thread; `close()` when done (which
+    closes the registry too if it made it, or if `close_registry`)."""
 
     def __init__(
         self,
@@ -132,6 +133,7 @@ class SnapshotPublisher:
         slot_device: str = "cpu",
         rollout_dtype: Any = "bfloat16",
         transport_options: dict[str, Any] | None = None,
+        close_registry: bool = False,
         **publisher_options: Any,
     ) -> None:
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
@@ -142,6 +144,8 @@ class SnapshotPublisher:
         self._owned: list[Any] = []  # what close() shuts, because this made it
         if registry is None or isinstance(registry, str):  # an address (None: $WEIGHTPULL_REGISTRY)
             registry = connect_registry(registry)
+            close_registry = True
+        if close_registry:
             self._owned.append(registry)
         if isinstance(transport, str):
             transport = create_transport(transport, **(transport_options or {}))
@@ -174,8 +178,9 @@ class SnapshotPublisher:
         try:
             self.staging.fill(tensors)
         except BaseException as exc:
-            if shard is not None:  # tell the siblings now, rather than let the version wait on us
-                self._portal.call(self._abort, version, repr(exc), shard)
+            # Record the failure: as a shard, the siblings then stop waiting on us; alone,
+            # as a version of one shard, aborted before it began.
+            self._portal.call(self._abort, version, repr(exc), (shard.index, shard.count) if shard else (0, 1))
             if isinstance(exc, Exception) and not isinstance(exc, WeightpullError):
                 raise PublishError(f"snapshotting v{version} failed: {exc!r}") from exc
             raise
@@ -200,9 +205,9 @@ class SnapshotPublisher:
             return None
         return future.result(0) if future.done() else None
 
-    async def _abort(self, version: int, reason: str, shard: Sharding) -> None:
+    async def _abort(self, version: int, reason: str, shard: tuple[int, int]) -> None:
         try:
-            await self.publisher.registry.abort(version, reason, shard=(shard.index, shard.count))
+            await self.publisher.registry.abort(version, reason, shard=shard)
         except WeightpullError as exc:
             log.warning("%s: could not abort v%s: %s", self.name, version, exc)
 

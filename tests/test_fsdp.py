@@ -135,14 +135,15 @@ async def test_fsdp_ranks_publish_every_step_and_a_broken_publish_keeps_the_last
         assert all(s <= 1.0 for s in reports[0]["blocking_s"])  # the metric is there, and small
         if mode == "sharded":  # each rank's own rows, read straight into place; v4 died with rank 1's copy
             assert "failed" not in reports[0] and "failed" not in reports[1]  # nor did any publish gather
-            assert [(s.index, s.publisher) for s in manifest.shards] == [(0, "trainer-rank0"), (1, "trainer-rank1")]
+            assert [(s.index, s.publisher) for s in manifest.shards] == [(0, "trainer/rank0"), (1, "trainer/rank1")]
             sinks = manifest.layout.specs.index(next(s for s in manifest.layout.specs if s.name.endswith("sinks")))
             assert manifest.shards[1].rows[sinks] == (1, 1)  # an empty shard
             assert versions[4].state is VersionState.ABORTED and "lost its device" in versions[4].reason
             assert job.finish() == [0, 0]
-        else:  # rank 1 died in the gather of v4: rank 0 began nothing, and still serves v3
-            assert not manifest.shards and manifest.publisher == "trainer-rank0"
-            assert "PublishError" in reports[0]["failed"] and 4 not in versions
+        else:  # rank 1 died in the gather of v4: rank 0 copied nothing, recorded why, and still serves v3
+            assert not manifest.shards and manifest.publisher == "trainer/rank0"
+            assert "PublishError" in reports[0]["failed"]
+            assert versions[4].state is VersionState.ABORTED and "gathering" in versions[4].reason
             assert job.finish() == [0, -9]
         assert versions[3].state is VersionState.READY
     finally:
