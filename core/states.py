@@ -176,6 +176,21 @@ def mermaid(machine: str) -> str:
     return _BY_NAME[machine].mermaid()
 
 
+_WHO_FIRES = {
+    "version": (
+        "Who fires what: `commit`, `abort`, `retire` and `reclaim` come from the version's own\n"
+        "publisher (or an admin; `PermissionDeniedError` for anyone else). The registry itself\n"
+        "fires `retire` on the newest READY version when a newer one is announced, and, when a\n"
+        "publisher's liveness lapses, `abort` on its WRITING versions and `retire` on its READY\n"
+        "one, recording the reason that `weightpull status` shows."
+    ),
+    "lease": (
+        "`renew` and `release` come from the holder (a principal owning the holder name) or an\n"
+        "admin; `expire` is the registry's, on its own clock."
+    ),
+}
+
+
 def markdown() -> str:
     """docs/states.md, generated so that the docs cannot drift from the tables."""
     parts = [
@@ -187,4 +202,6 @@ def markdown() -> str:
     ]
     for machine in ALL:
         parts += ["", f"## {machine.name}", "", "```mermaid", machine.mermaid(), "```"]
+        if machine.name in _WHO_FIRES:
+            parts += ["", _WHO_FIRES[machine.name]]
     return "\n".join(parts) + "\n"
