@@ -24,7 +24,9 @@ from .errors import (
     AgentFailedError,
     ApplyError,
     InvalidArgumentError,
+    PeerGoneError,
     PullError,
+    RegionNotRegisteredError,
     RegistryError,
     TornReadError,
     TransportError,
@@ -67,6 +69,9 @@ class EngineControl(Protocol):
 # A pull can fail for reasons that pass: a torn read, a version retired before it was
 # leased, a transport hiccup. The agent tries the newest version again, a few times.
 _RETRYABLE = (PullError, RegistryError, TransportError)
+# Its source is gone (the publisher's process exited, or it dropped the slot): that
+# version can never be read, so the agent waits for a newer one instead of retrying.
+_SOURCE_GONE = (PeerGoneError, RegionNotRegisteredError)
 
 
 @attrs.define
@@ -119,7 +124,7 @@ class UpdateAgent:
         self._forced = -1  # wait_for_version asked for at least this version
         self._failed_pulls = 0  # in a row
         self._failed_applies = 0  # in a row
-        self._failed_version = -1  # the newest version whose apply failed: never tried again
+        self._failed_version = -1  # the newest version whose apply failed or whose source is gone: never tried again
         # Made lazily (they need a running event loop). `_changed` is set, then replaced,
         # whenever the served version or the failure changes; `_poke` re-aims the watch.
         self._changed: anyio.Event | None = None
@@ -194,6 +199,12 @@ class UpdateAgent:
         started = self.clock.now()
         try:
             await self.engine.prefetch(version)
+        except _SOURCE_GONE as exc:
+            self.stats.pull_failures += 1
+            self._failed_version = max(self._failed_version, version)
+            self._failed_pulls = 0
+            log.warning("agent %s: v%s cannot be read (%s); waiting for a newer version", self.name, version, exc)
+            return False
         except _RETRYABLE as exc:
             self.stats.pull_failures += 1
             self.stats.torn_reads += isinstance(exc, TornReadError)

@@ -109,6 +109,24 @@ async def test_a_pull_that_keeps_failing_fails_the_agent(world):
     assert ("apply", 1) not in engine.events
 
 
+async def test_a_version_whose_source_is_gone_is_skipped_for_the_next(world):
+    """The trainer's process died with v1's slot: v1 can never be read, so the agent
+    waits for a newer version rather than failing or retrying v1 in a loop."""
+    dead, engine = world.publisher(), FakeEngine(world)
+    agent = UpdateAgent("r0", world.registry, engine, max_pull_attempts=1, clock=world.clock)
+    result = await dead.publish(1, host_tensors(1))
+    dead.transport.deregister(dead.slots[result.slot].region)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(agent.run)
+        await world.clock.sleep(5)
+        assert agent.serving is None and agent.failure is None
+        assert engine.events.count(("prefetch", 1)) == 1  # tried once, not in a loop
+        await world.publisher(name="restarted").publish(2, host_tensors(2))
+        assert await agent.wait_for_version(2, timeout=5) == 2
+        tg.cancel_scope.cancel()
+    assert agent.stats.applied == [2] and agent.stats.pull_failures == 1
+
+
 async def test_a_failed_apply_leaves_the_replica_paused_and_fails_the_agent_and_its_waiters(world):
     publisher, engine = world.publisher(num_slots=3), FakeEngine(world)
     engine.fail_apply = {2}
