@@ -31,12 +31,12 @@ from .errors import (
     VersionOrderError,
     WeightpullError,
 )
-from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, TensorSpec, plan_layout
+from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal, Role
-from .registry import Registry
+from .registry import Registry, StreamingRegistry
 from .sharding import Rows, Shard, Sharding
-from .states import SLOT, SlotEvent, SlotState, VersionState
+from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
 from .tensors import TensorAdapter, adapter_for, normalize_dtype
 from .transport import Region, Transport
@@ -113,6 +113,7 @@ class Publisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         align: int = DEFAULT_ALIGN,
         digests: bool = False,
+        stream: bool = False,
         device: str = "cpu",
         name: str | None = None,
         clock: Clock | None = None,
@@ -138,6 +139,7 @@ class Publisher:
         self.bucket_bytes = bucket_bytes
         self.align = align
         self.digests = digests
+        self.stream = stream
         self.device = device
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
@@ -266,17 +268,21 @@ class Publisher:
         try:
             items, adapter, (layout, rows, packed) = prepared or self._prepare(tensors, shard)
             region = self._fit(slot, packed.total_bytes)
-            await adapter.write([(v, packed[n]) for n, v in items], region)
-            await adapter.fence()
-            digests = await self._digests(region, layout) if self.digests else None
             parts = (
                 ()
                 if shard is None
                 else (Shard(shard.index, shard.count, self.name, slot.index, slot.descriptor, rows),)
             )
             manifest = Manifest(
-                version, layout, self.transport.name, slot.descriptor, slot.index, self.name, digests, parts, asked
+                version, layout, self.transport.name, slot.descriptor, slot.index, self.name, None, parts, asked
             )
+            if self.stream and shard is None:
+                await self._stream(manifest, adapter, [(v, packed[n]) for n, v in items], region)
+            else:
+                await adapter.write([(v, packed[n]) for n, v in items], region)
+                await adapter.fence()
+            if self.digests:
+                manifest = attrs.evolve(manifest, digests=await self._digests(region, layout))
             await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
@@ -288,6 +294,41 @@ class Publisher:
         slot.move(SlotEvent.COMMIT)
         slot.version = version
         return PublishResult(version, False, slot.index, manifest, self.clock.now() - started)
+
+    async def _stream(
+        self, manifest: Manifest, adapter: TensorAdapter, writes: list[tuple[Any, Placement]], region: Region
+    ) -> None:
+        """Copy bucket by bucket, fencing each, while a marker tells the registry how
+        many have landed: one mark in flight at a time, carrying the newest count, so
+        marks batch themselves to the pace the registry answers at."""
+        registry = self.registry
+        if not isinstance(registry, StreamingRegistry):
+            raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
+        await registry.stream(manifest)
+        by_bucket: dict[int, list[tuple[Any, Placement]]] = {}
+        for value, placement in writes:
+            by_bucket.setdefault(placement.bucket, []).append((value, placement))
+        landed = 0
+        moved = anyio.Event()
+
+        async def marker() -> None:
+            nonlocal moved
+            sent = 0
+            while True:
+                await moved.wait()
+                moved = anyio.Event()
+                if landed > sent:
+                    sent = landed
+                    await registry.mark(manifest.version, sent)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(marker)
+            for bucket in sorted(by_bucket):
+                await adapter.write(by_bucket[bucket], region)
+                await adapter.fence()
+                landed = bucket + 1
+                moved.set()
+            tg.cancel_scope.cancel()  # the commit tells readers the rest
 
     def _prepare(
         self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
@@ -313,7 +354,7 @@ class Publisher:
         for info in status.versions:
             if info.publisher != self.name:
                 continue
-            if info.state is VersionState.WRITING:
+            if info.state.being_written:
                 await self._abort(info.version, f"{self.name} restarted while writing it", {})
             if not 0 <= info.slot < len(self.slots):
                 continue

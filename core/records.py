@@ -36,6 +36,19 @@ class VersionInfo(schema.Record):
     age: float
     live_leases: int
     reason: str = ""
+    committed: int | None = None  # of a STREAMING version: buckets committed so far
+
+
+@attrs.frozen
+class Progress(schema.Record):
+    """How far a version's copy has come: of its `buckets`, the first `committed` may be
+    read (all of them once it is READY or RETIRED; none while plain WRITING)."""
+
+    version: int
+    state: VersionState
+    committed: int
+    buckets: int
+    reason: str = ""
 
 
 @attrs.frozen
@@ -57,8 +70,13 @@ class RegistryStatus(schema.Record):
     alive: Mapping[str, float] = attrs.Factory(dict)
 
 
-# `alive` is sent only when the registry judges liveness: a status without it reads as ever.
+# `alive` is sent only when the registry judges liveness, and `committed` only for a
+# streaming version: a status without them reads as ever.
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is RegistryStatus,
     lambda t: make_dict_unstructure_fn(t, schema.converter, alive=override(omit_if_default=True)),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is VersionInfo,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, committed=override(omit_if_default=True)),
 )

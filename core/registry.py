@@ -16,11 +16,12 @@ from typing import Any, Protocol, Self, runtime_checkable
 import anyio
 
 from .clock import Clock, MonotonicClock, within
-from .errors import DriverUnavailableError, InvalidArgumentError, VersionWaitTimeoutError
+from .errors import DriverUnavailableError, InvalidArgumentError, VersionStateError, VersionWaitTimeoutError
 from .manifest import Manifest
 from .principals import ADMIN, Principal
-from .records import Lease, LeaseInfo, RegistryStatus, VersionInfo
+from .records import Lease, LeaseInfo, Progress, RegistryStatus, VersionInfo
 from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
+from .states import VersionState
 
 __all__ = [
     "DEFAULT_MAX_TTL",
@@ -33,6 +34,7 @@ __all__ = [
     "Registry",
     "RegistryMachine",
     "RegistryStatus",
+    "StreamingRegistry",
     "VersionInfo",
     "connect_registry",
 ]
@@ -76,6 +78,22 @@ class Registry(AsyncResource, Protocol):
     async def status(self) -> RegistryStatus: ...
 
 
+@runtime_checkable
+class StreamingRegistry(Registry, Protocol):
+    """A registry whose versions can be read while they are written (every registry of
+    weightpull's own is one): a publisher `stream`s a version's manifest, then `mark`s
+    buckets committed; a reader leases it with `acquire(..., streaming=True)` and waits
+    for each bucket with `wait_for_buckets`."""
+
+    async def acquire(
+        self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False
+    ) -> Lease: ...
+    async def stream(self, manifest: Manifest) -> None: ...
+    async def mark(self, version: int, committed: int) -> None: ...
+    async def progress(self, version: int) -> Progress: ...
+    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress: ...
+
+
 class InProcessRegistry:
     """The registry inside one process: the default, and what a served one wraps. Each
     operation is one call on its `machine`, made as `principal` (an admin by default:
@@ -99,8 +117,8 @@ class InProcessRegistry:
         self.clock: Clock = clock or MonotonicClock()
         self.machine = machine or RegistryMachine(self.clock, max_ttl=max_ttl, liveness_ttl=liveness_ttl)
         self.principal = principal
-        self.machine.watch(self._announced)
-        self._committed: anyio.Event | None = None  # made lazily: needs a running loop
+        self.machine.watch(self._wake)
+        self._changed: anyio.Event | None = None  # made lazily: needs a running loop
 
     def as_principal(self, principal: Principal) -> InProcessRegistry:
         """This registry, acting as `principal`."""
@@ -133,8 +151,38 @@ class InProcessRegistry:
     async def get(self, version: int) -> Manifest:
         return self.machine.get(version, by=self.principal)
 
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
-        return self.machine.acquire(version, ttl=ttl, holder=holder, by=self.principal)
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False) -> Lease:
+        return self.machine.acquire(version, ttl=ttl, holder=holder, by=self.principal, streaming=streaming)
+
+    async def stream(self, manifest: Manifest) -> None:
+        self.machine.stream(manifest, by=self.principal)
+
+    async def mark(self, version: int, committed: int) -> None:
+        self.machine.mark(version, committed, by=self.principal)
+
+    async def progress(self, version: int) -> Progress:
+        return self.machine.progress(version, by=self.principal)
+
+    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
+        """The version's progress once `at_least` of its buckets may be read (or it is
+        READY); `VersionStateError` naming the reason if it ended otherwise, or was never
+        streamed; `VersionWaitTimeoutError` after `timeout`."""
+        check_int("at_least", at_least)
+        deadline = None if timeout is None else self.clock.now() + timeout
+        while True:
+            progress = self.machine.progress(version, by=self.principal)
+            if progress.committed >= at_least or progress.state in (VersionState.READY, VersionState.RETIRED):
+                return progress
+            if not progress.state.being_written:
+                why = f" ({progress.reason})" if progress.reason else ""
+                raise VersionStateError(f"version {version} is {progress.state}{why}: its stream ended unfinished")
+            remaining = None if deadline is None else deadline - self.clock.now()
+            if remaining is not None and remaining <= 0:
+                raise VersionWaitTimeoutError(
+                    f"v{version}: {progress.committed} of {progress.buckets} buckets committed within {timeout} s, "
+                    f"not {at_least}"
+                )
+            await within(self.clock, remaining, self._event().wait)
 
     async def renew(self, lease: Lease) -> Lease:
         return self.machine.renew(lease, by=self.principal)
@@ -160,14 +208,12 @@ class InProcessRegistry:
         check_int("min_version", min_version)
         deadline = None if timeout is None else self.clock.now() + timeout
         while (newest := self.machine.newest_ready) is None or newest < min_version:
-            if self._committed is None:
-                self._committed = anyio.Event()
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
                 raise VersionWaitTimeoutError(
                     f"no version >= {min_version} within {timeout} s (newest READY: {newest})"
                 )
-            await within(self.clock, remaining, self._committed.wait)
+            await within(self.clock, remaining, self._event().wait)
         manifest = self.machine.newest()
         assert manifest is not None
         return manifest
@@ -183,11 +229,16 @@ class InProcessRegistry:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _announced(self) -> None:
-        """Wake every waiter, whoever drove the machine to announce."""
-        if self._committed is not None:
-            self._committed.set()
-            self._committed = None
+    def _event(self) -> anyio.Event:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        return self._changed
+
+    def _wake(self) -> None:
+        """Wake every waiter, whoever drove the machine to change."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
 
 def connect_registry(address: str | None = None, **options: Any) -> Registry:

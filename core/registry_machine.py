@@ -48,7 +48,7 @@ from .errors import (
 )
 from .manifest import Manifest
 from .principals import ADMIN, Principal, Role, root
-from .records import Lease, LeaseInfo, RegistryStatus, VersionInfo
+from .records import Lease, LeaseInfo, Progress, RegistryStatus, VersionInfo
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
 from .states import LEASE, VERSION, LeaseEvent, LeaseState, VersionEvent, VersionState
@@ -93,6 +93,7 @@ class _Version:
     shards: ShardAssembly | None = None  # None: one plain publisher writes it
     owner: str = ""  # the principal name it belongs to
     asked: int = -1  # the number its publisher asked for (shards of one version ask alike)
+    committed: int = 0  # of a STREAMING version: buckets readers may read
 
     def slots(self) -> list[tuple[str, int]]:
         """(publisher, slot) of every slot that holds a part of it."""
@@ -143,8 +144,13 @@ class RegistryMachine:
         return self._newest_ready
 
     def watch(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` after each version is announced (made the newest READY)."""
+        """Call `callback()` whenever what a waiter waits on may have changed: a version
+        announced, a stream's buckets marked, a version ended."""
         self._watchers.append(callback)
+
+    def _changed(self) -> None:
+        for callback in self._watchers:
+            callback()
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -229,6 +235,14 @@ class RegistryMachine:
             return  # else the version stays WRITING until its last shard commits
         if manifest.shards:
             raise InvalidArgumentError(f"v{manifest.version} was begun unsharded; its manifest names shards")
+        self._check_manifest(record, manifest)
+        if record.state is VersionState.STREAMING and attrs.evolve(manifest, digests=None) != record.manifest:
+            raise InvalidArgumentError(
+                f"v{manifest.version} commits a manifest other than the one it streamed (only digests may come now)"
+            )
+        self._announce(record, manifest)
+
+    def _check_manifest(self, record: _Version, manifest: Manifest) -> None:
         if manifest.publisher != record.publisher or manifest.slot != record.slot:
             raise InvalidArgumentError(
                 f"manifest for v{manifest.version} names publisher {manifest.publisher!r} "
@@ -236,7 +250,56 @@ class RegistryMachine:
             )
         if manifest.version < self._highest_announced:
             raise VersionOrderError(f"version {manifest.version} cannot be announced after {self._highest_announced}")
-        self._announce(record, manifest)
+
+    def stream(self, manifest: Manifest, *, by: Principal = ADMIN) -> None:
+        """WRITING -> STREAMING: the version's manifest (digests, if any, come with its
+        commit), so that readers who opt in may lease it and read buckets as `mark`
+        commits them. A sharded version does not stream."""
+        self._enter(by, "stream")
+        record = self._record(manifest.version)
+        self._check_owner(by, record, "stream")
+        self._check_publisher(by, "stream", manifest.publisher)
+        if record.shards is not None or manifest.shards:
+            raise InvalidArgumentError(f"v{manifest.version} is sharded: sharded versions do not stream")
+        if manifest.digests is not None:
+            raise InvalidArgumentError(f"v{manifest.version}: a stream's digests come with its commit, not before")
+        self._check_manifest(record, manifest)
+        self._move(record, VersionEvent.STREAM)
+        record.manifest = manifest
+        self._changed()
+
+    def mark(self, version: int, committed: int, *, by: Principal = ADMIN) -> None:
+        """Of a STREAMING version, the first `committed` buckets are copied and fenced:
+        readers may read them. The count only grows."""
+        self._enter(by, "mark")
+        record = self._record(version)
+        self._check_owner(by, record, "mark")
+        check_int("committed", committed)
+        if record.state is not VersionState.STREAMING or record.manifest is None:
+            why = f" ({record.reason})" if record.reason else ""
+            raise VersionStateError(f"version {version} is {record.state}{why}: only a STREAMING one takes marks")
+        total = len(record.manifest.layout.buckets)
+        if not record.committed <= committed <= total:
+            raise InvalidArgumentError(
+                f"v{version}: {committed} buckets committed is not between the {record.committed} "
+                f"marked before and its {total} buckets"
+            )
+        self._move(record, VersionEvent.MARK)
+        record.committed = committed
+        self._changed()
+
+    def progress(self, version: int, *, by: Principal = ADMIN) -> Progress:
+        """How many of the version's buckets may be read now."""
+        self._enter(by, "progress")
+        record = self._record(version)
+        total = len(record.manifest.layout.buckets) if record.manifest is not None else 0
+        if record.state in (VersionState.READY, VersionState.RETIRED):
+            committed = total
+        elif record.state is VersionState.STREAMING:
+            committed = record.committed
+        else:
+            committed = 0
+        return Progress(version, record.state, committed, total, record.reason)
 
     def _announce(self, record: _Version, manifest: Manifest) -> None:
         self._move(record, VersionEvent.COMMIT)
@@ -252,8 +315,7 @@ class RegistryMachine:
             elif old.state is VersionState.WRITING:  # it can never be READY now: free its shards' slots
                 self._move(old, VersionEvent.ABORT)
                 old.reason = f"superseded by v{manifest.version} before every shard committed"
-        for callback in self._watchers:
-            callback()
+        self._changed()
 
     def abort(
         self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None, by: Principal = ADMIN
@@ -290,6 +352,7 @@ class RegistryMachine:
             return
         self._move(record, VersionEvent.ABORT)
         record.reason = reason
+        self._changed()
 
     def retire(self, version: int, *, by: Principal = ADMIN) -> None:
         """Withdraw a READY version: no new leases; those held stay valid."""
@@ -336,20 +399,26 @@ class RegistryMachine:
             raise VersionStateError(f"version {version} is {record.state}: it has no manifest")
         return record.manifest
 
-    def acquire(self, version: int | None = None, *, ttl: float, holder: str, by: Principal = ADMIN) -> Lease:
-        """Lease the newest READY version, or `version` if it is READY."""
+    def acquire(
+        self, version: int | None = None, *, ttl: float, holder: str, by: Principal = ADMIN, streaming: bool = False
+    ) -> Lease:
+        """Lease the newest READY version, or `version` if it is READY. With `streaming`,
+        a STREAMING version counts too: the newest of either, or `version` if it is one."""
         self._enter(by, "acquire")
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "acquire", f"a lease for {holder!r}", "a principal holds leases only under its own names")
         if not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl:
             raise InvalidArgumentError(f"ttl must be in (0, {self.max_ttl}] seconds, got {ttl!r}")
+        readable = (VersionState.READY, VersionState.STREAMING) if streaming else (VersionState.READY,)
         if version is None:
-            if self._newest_ready is None:
+            streams = [v.version for v in self._versions.values() if streaming and v.state is VersionState.STREAMING]
+            newest = max([*streams, -1 if self._newest_ready is None else self._newest_ready])
+            if newest < 0:
                 raise NoReadyVersionError(self._why_none_ready())
-            version = self._newest_ready
+            version = newest
         record = self._record(version)
-        if record.state is not VersionState.READY:
+        if record.state not in readable:
             why = f" ({record.reason})" if record.reason else ""
             raise VersionStateError(
                 f"version {version} is {record.state}{why} and takes no new leases (newest READY: {self._newest_ready})"
@@ -424,6 +493,7 @@ class RegistryMachine:
                     age=now - record.created_at,
                     live_leases=len(live),
                     reason=record.reason,
+                    committed=record.committed if record.state is VersionState.STREAMING else None,
                 )
             )
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
@@ -518,7 +588,7 @@ class RegistryMachine:
             for record in sorted(self._versions.values(), key=lambda r: r.version):
                 if record.owner != name:
                     continue
-                if record.state is VersionState.WRITING:
+                if record.state.being_written:
                     self._move(record, VersionEvent.ABORT)
                     record.reason = why
                 elif record.state is VersionState.READY:

@@ -19,6 +19,7 @@ from .errors import InvalidTransitionError
 
 class VersionState(enum.Enum):
     WRITING = "WRITING"  # a publisher is copying it into a slot; invisible to readers
+    STREAMING = "STREAMING"  # still being copied, bucket by bucket: readers who opt in read what is committed
     READY = "READY"  # announced: the newest READY version is what readers lease
     RETIRED = "RETIRED"  # superseded or withdrawn: leases drain, no new ones
     ABORTED = "ABORTED"  # its publish failed; the previous READY version is untouched
@@ -27,8 +28,14 @@ class VersionState(enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def being_written(self) -> bool:
+        return self in (VersionState.WRITING, VersionState.STREAMING)
+
 
 class VersionEvent(enum.Enum):
+    STREAM = "stream"
+    MARK = "mark"
     COMMIT = "commit"
     ABORT = "abort"
     RETIRE = "retire"
@@ -122,6 +129,10 @@ VERSION = Machine(
     {
         (V.WRITING, VE.COMMIT): V.READY,
         (V.WRITING, VE.ABORT): V.ABORTED,
+        (V.WRITING, VE.STREAM): V.STREAMING,
+        (V.STREAMING, VE.MARK): V.STREAMING,
+        (V.STREAMING, VE.COMMIT): V.READY,
+        (V.STREAMING, VE.ABORT): V.ABORTED,
         (V.READY, VE.RETIRE): V.RETIRED,
         (V.RETIRED, VE.RECLAIM): V.RECLAIMED,
         (V.ABORTED, VE.RECLAIM): V.RECLAIMED,
@@ -182,7 +193,12 @@ _WHO_FIRES = {
         "publisher (or an admin; `PermissionDeniedError` for anyone else). The registry itself\n"
         "fires `retire` on the newest READY version when a newer one is announced, and, when a\n"
         "publisher's liveness lapses, `abort` on its WRITING versions and `retire` on its READY\n"
-        "one, recording the reason that `weightpull status` shows."
+        "one, recording the reason that `weightpull status` shows.\n\n"
+        "A streaming publisher fires `stream` once the version's manifest is known, before its\n"
+        "bytes are, then `mark` as buckets land (the count committed so far, batched); readers\n"
+        "that opt in lease a STREAMING version and read each bucket once it is marked. Their\n"
+        "copy counts only if the version then turns READY under their lease: a stream that\n"
+        "ends ABORTED leaves every such reader with a rejected copy."
     ),
     "lease": (
         "`renew` and `release` come from the holder (a principal owning the holder name) or an\n"

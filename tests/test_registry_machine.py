@@ -153,15 +153,16 @@ def test_status_reads_ages_and_leases_on_the_clock(m, clock):
     assert status.serving == {"replica-0": 1} and status.newest_ready == 1
 
 
-def test_watchers_hear_each_announcement_and_nothing_else(m):
+def test_watchers_hear_each_change_a_waiter_waits_on_and_nothing_else(m):
     heard = []
     m.watch(lambda: heard.append(m.newest_ready))
     m.begin(1, publisher="pub", slot=0)
     m.begin(2, publisher="pub", slot=1)
-    m.abort(2)
-    assert heard == []
+    assert heard == []  # nothing to wait for in a begin
+    m.abort(2)  # a stream's readers wait on its end
+    assert heard == [None]
     m.commit(manifest(1, 0))
-    assert heard == [1]
+    assert heard == [None, 1]
 
 
 def test_two_faces_on_one_machine_see_one_state(clock):

@@ -47,8 +47,8 @@ def test_fire_returns_the_machines_own_state_type():
 
 
 def test_tables_cover_each_machine():
-    assert len(LEGAL) == 5 + 3 + 4
-    assert len(ILLEGAL) == 5 * 4 - 5 + 3 * 3 - 3 + 3 * 4 - 4
+    assert len(LEGAL) == 9 + 3 + 4
+    assert len(ILLEGAL) == 6 * 6 - 9 + 3 * 3 - 3 + 3 * 4 - 4
 
 
 def test_the_views_by_name_are_the_machines():
