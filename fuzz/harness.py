@@ -47,6 +47,7 @@ from weightpull import (
 )
 from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.drivers.faulty import Faults, FaultyTransport
+from weightpull.principals import Principal
 from weightpull.tensors import HostTensorAdapter
 
 from . import profiles
@@ -255,17 +256,29 @@ class Model:
         for held in self.slots.values():  # its slot holds nothing anyone may read now
             held[:] = [None if v == version else v for v in held]
 
-    def slot_written(self, publisher: str, slot: int, version: int) -> None:
+    def begun(self, publisher: str, slot: int, asked: int | None, given: int) -> None:
+        """The registry gave `given` for a version asked as `asked` into `slot`: a number
+        above every one begun before, the one asked whenever that was still free."""
+        assert given > self.highest_begun, f"{publisher} was given v{given}, not above v{self.highest_begun}"
+        if asked is not None and asked > self.highest_begun:
+            assert given == asked, f"{publisher} asked for the free v{asked} and was given v{given}"
         held = self.slots[publisher][slot]
         where = f"slot {slot} of {publisher}"
         if held is not None:
-            assert held != self.newest, f"{where} was written while it held v{held}, the newest READY"
+            assert held != self.newest, f"{where} was begun again while it held v{held}, the newest READY"
             live = self.live(held)
-            assert not live, f"{where} was written while live leases hold its v{held}: {live}"
-            assert held not in self.states, f"{where} was written while the registry still has its v{held}"
-        self.slots[publisher][slot] = version
-        self.states[version] = VersionState.WRITING
-        self.highest_begun = max(self.highest_begun, version)
+            assert not live, f"{where} was begun again while live leases hold its v{held}: {live}"
+            assert held not in self.states, f"{where} was begun again while the registry still has its v{held}"
+        self.slots[publisher][slot] = given
+        self.states[given] = VersionState.WRITING
+        self.highest_begun = given
+
+    def slot_written(self, publisher: str, slot: int, version: int) -> None:
+        held = self.slots[publisher][slot]
+        assert held == version, f"slot {slot} of {publisher} was written for v{version}, but it was begun for v{held}"
+        assert self.states.get(version) is VersionState.WRITING, (
+            f"v{version} was written while {self.states.get(version)}"
+        )
 
     def committed(self, version: int, publisher: str, slot: int) -> None:
         held = self.slots[publisher][slot]
@@ -295,7 +308,7 @@ class ObservedAdapter(HostTensorAdapter):
         self.model = model
         self.clock = clock
         self.publisher: Publisher | None = None
-        self.writing: int | None = None  # the version being published
+        self.writing: int | None = None  # the version being published (the number the registry gave)
         self.seconds = 0.0
         self.crash = False
 
@@ -311,14 +324,25 @@ class ObservedAdapter(HostTensorAdapter):
 
 class PublisherLink:
     """A publisher's line to the registry: the model hears of every reclaim (a slot is
-    reclaimed before its publish begins, which may still fail)."""
+    reclaimed before its publish begins, which may still fail) and of every number the
+    registry gives a begin, which its adapter then writes."""
 
-    def __init__(self, registry: Registry, model: Model) -> None:
+    def __init__(self, registry: Registry, model: Model, adapter: ObservedAdapter | None = None) -> None:
         self.registry = registry
         self.model = model
+        self.adapter = adapter
+        self.data: dict[str, bytes] = {}  # what the publish in flight copies
 
     def __getattr__(self, name: str):
         return getattr(self.registry, name)
+
+    async def begin(self, version: int | None = None, *, publisher: str, slot: int, **shard) -> int:
+        given = await self.registry.begin(version, publisher=publisher, slot=slot, **shard)
+        self.model.begun(publisher, slot, version, given)
+        self.model.contents[given] = self.data
+        if self.adapter is not None:
+            self.adapter.writing = given
+        return given
 
     async def reclaim(self, version: int) -> None:
         await self.registry.reclaim(version)
@@ -509,7 +533,7 @@ class World:
     def _publisher(self, name: str, num_slots: int) -> Publisher:
         adapter = ObservedAdapter(self.model, self.clock)
         adapter.publisher = Publisher(
-            PublisherLink(self.registry, self.model),
+            PublisherLink(self.as_principal(Principal.publisher(name)), self.model, adapter),
             self.transport(self.clock),
             num_slots=num_slots,
             rollout_dtype=None,
@@ -523,7 +547,17 @@ class World:
         return adapter.publisher
 
     def make_registry(self) -> Registry:
+        """The registry, as seen by an admin (the world's own checks act as one)."""
         return InProcessRegistry(self.clock)
+
+    def as_principal(self, principal: Principal) -> Registry:
+        """The registry as `principal` sees it: each publisher and reader acts as itself, so
+        every operation the protocol makes passes the registry's authority checks."""
+        return self.registry.as_principal(principal)
+
+    def link(self, name: str) -> ReaderLink:
+        """A reader process's line to the registry, as the reader principal `name`."""
+        return ReaderLink(self.as_principal(Principal.reader(name)), self.model)
 
     def transport(self, clock) -> Transport:
         return FakeTransport(clock=clock, fabric=self.fabric, offload=False)  # no threads: replayable
@@ -533,7 +567,7 @@ class World:
         name = f"reader-{next(self._names)}"
         clock = ProcessClock(self.clock)
         transport = SteppedTransport(self.transport(clock), clock)
-        link = ReaderLink(self.registry, self.model)
+        link = self.link(name)
         puller = Puller(link, transport, holder=name, ttl=TTL, verify_digests=False, stall_timeout=STALL, clock=clock)
         return Reader(name, clock, transport, link, puller)
 
@@ -542,48 +576,59 @@ class World:
     async def publish(
         self, layout: str, when_full: WhenFull, crash: bool = False, publisher: Publisher | None = None
     ) -> PublishResult | WeightpullError:
-        """Publish the next version and check the outcome against the model."""
+        """Publish the next version and check the outcome against the model. The version
+        asked for comes from one counter for every publisher (they race to begin and to be
+        announced); the registry gives it, or the next free number when another took it."""
         publisher = publisher or self.publisher
-        version = next(self.model.versions)
-        self.model.contents[version] = data = tensors(version, layout)
-        publisher.adapter.writing = version
+        link = publisher.registry
+        asked = next(self.model.versions)
+        link.data = data = tensors(asked, layout)  # unique to the number asked: any mix shows
+        publisher.adapter.writing = None
         publisher.adapter.crash = crash
         publisher.when_full = when_full
         started = self.clock.now()
         try:
-            outcome = await publisher.publish(version, {n: HostTensor("uint8", (len(b),), b) for n, b in data.items()})
+            outcome = await publisher.publish(asked, {n: HostTensor("uint8", (len(b),), b) for n, b in data.items()})
         except WeightpullError as exc:
             if isinstance(exc.__cause__, AssertionError):  # the observer caught a bad write
                 raise exc.__cause__ from None
             outcome = exc
+        given = publisher.adapter.writing  # None: nothing was begun
         waited = self.clock.now() - started
         free = self.model.free_slots(publisher.name)
         full = not free  # as the publisher saw it: nothing yielded since
         what = "skipped" if isinstance(outcome, PublishResult) and outcome.skipped else type(outcome).__name__
-        note(f"publish: {what}{' after waiting' if waited else ''}")
+        cause = f" ({type(outcome.__cause__).__name__})" if isinstance(outcome, PublishError) else ""
+        raced = "" if given is None or given == asked else ", raced to another number"
+        note(f"publish: {what}{cause}{' after waiting' if waited else ''}{raced}")
         if isinstance(outcome, PublishResult) and not outcome.skipped:
             assert not crash, "a publish whose copy failed was announced"
+            assert outcome.version == given, f"published as v{outcome.version}, but the registry gave v{given}"
+            assert outcome.manifest.step == asked, f"v{given}'s manifest records step {outcome.manifest.step}"
             bound = WAIT_TIMEOUT + publisher.adapter.seconds
             assert waited <= bound + EPS, f"publish blocked {waited} s, over its {WAIT_TIMEOUT} s bound and the copy"
-            self.model.committed(version, publisher.name, outcome.slot)
+            self.model.committed(given, publisher.name, outcome.slot)
         elif isinstance(outcome, PublishResult):
+            assert given is None, f"a skipped publish began v{given}"
             assert when_full is WhenFull.SKIP and full, f"skipped with slots {free} free"
         elif isinstance(outcome, SlotWaitTimeoutError):
+            assert given is None, f"{outcome!r}, but v{given} was begun"
             assert when_full is WhenFull.WAIT and full, f"{outcome!r} with slots {free} free"
             assert abs(waited - WAIT_TIMEOUT) <= EPS, f"gave up after {waited} s, not its {WAIT_TIMEOUT} s bound"
         elif isinstance(outcome, NoFreeSlotError):
+            assert given is None, f"{outcome!r}, but v{given} was begun"
             assert when_full is WhenFull.FAIL and full, f"{outcome!r} with slots {free} free"
-        elif isinstance(outcome, PublishError) and crash:
-            assert self.model.states[version] is VersionState.WRITING
-            self.model.states[version] = VersionState.ABORTED
-        elif isinstance(outcome, VersionOrderError) and version in self.model.states:
-            # Another publisher announced a newer version while this one copied.
-            assert self.model.announced and self.model.announced[-1] > version, f"{outcome!r}"
-            self.model.states[version] = VersionState.ABORTED
-        elif isinstance(outcome, VersionOrderError):  # another publisher began a newer one first
-            assert self.model.highest_begun > version, f"{outcome!r}"
+        elif isinstance(outcome, PublishError) and given is not None:
+            # Once begun, a failure leaves an ABORTED record: the injected crash, or a
+            # commit refused because another publisher announced a newer version meanwhile.
+            if isinstance(outcome.__cause__, VersionOrderError):
+                assert self.model.announced and self.model.announced[-1] > given, f"{outcome!r}"
+            else:
+                assert crash and "injected" in str(outcome.__cause__), f"publish of v{given} raised {outcome!r}"
+            assert self.model.states[given] is VersionState.WRITING
+            self.model.states[given] = VersionState.ABORTED
         else:
-            raise AssertionError(f"publish of v{version} raised {outcome!r}")
+            raise AssertionError(f"publish asking v{asked} (given v{given}) raised {outcome!r}")
         return outcome
 
     async def withdraw(self) -> None:

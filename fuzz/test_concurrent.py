@@ -156,7 +156,7 @@ async def freeze(process, after: float, seconds: float) -> None:
 
 
 async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
-    link = world.reader().link
+    link = world.link("hoarder")  # the reader principal hoarder
     for step in program:
         await world.clock.sleep(step.pause)
         try:

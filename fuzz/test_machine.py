@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 
 from weightpull import InvalidTransitionError, LeaseExpiredError, LeaseNotFoundError, NoReadyVersionError, WhenFull
 
-from .harness import FAULTS, LAYOUTS, POLL, TTL, WAIT_TIMEOUT, Loop, Reader, ReaderLink, World
+from .harness import FAULTS, LAYOUTS, POLL, TTL, WAIT_TIMEOUT, Loop, Reader, World
 from .profiles import example, fuzz
 
 # Time in half seconds, so that leases often run out exactly on a renewal or a poll.
@@ -51,7 +51,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.world = World(num_slots)
         self.loop = Loop(self.world.clock)
         self.readers = [self.world.reader() for _ in range(readers)]
-        self.by_hand = ReaderLink(self.world.registry, self.world.model)
+        self.by_hand = self.world.link("by-hand")  # the reader principal by-hand
         self.loop.run(self.world.publish, "base", WhenFull.FAIL)  # a version to read from the start
 
     # -- helpers ---------------------------------------------------------------------------
