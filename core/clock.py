@@ -83,6 +83,10 @@ class FakeClock:
         next sleeper's deadline (trio's MockClock autojump, on anyio)."""
         while True:
             await anyio.wait_all_tasks_blocked()
+            # Again, once the callbacks already queued have run: a task that just ended
+            # wakes the one awaiting it only through them, and until they run, that one
+            # looks blocked (seen as a task group lingering a jump past its last child).
+            await anyio.wait_all_tasks_blocked()
             deadline = self.next_deadline()
             if deadline is None:
                 self._new_sleeper = anyio.Event()

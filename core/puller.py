@@ -11,6 +11,7 @@ may be torn, and it is rejected.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,6 +45,57 @@ log = logging.getLogger(__name__)
 _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 _MAX_REMOTES = 16
 DEFAULT_STALL_TIMEOUT = 30.0
+# The rates (local seconds per registry second) the renewal pacing believes. The slowest
+# is also assumed before a pull has measured its rate; a clock even faster than the
+# fastest renews more often than it needs to, never too late.
+_RATE_MIN, _RATE_MAX = 1 / 8, 8.0
+
+
+class _Pacer:
+    """When to renew one pull's lease, in local time, so that each renewal reaches the
+    registry well within the time the registry gave: at most `renew_every`, and at most
+    a third of the granted TTL, of the registry's seconds after the one before.
+
+    The local clock may run at another rate than the registry's, and only the
+    registry's judges the lease. Each grant says when the registry made it, on its own
+    clock (`expires_at - ttl`), so two grants against the local times around them
+    measure the local clock's rate. The measure is a lower bound (the local time from
+    the earlier reply to the later request), so latency can only shorten the sleeps.
+    Until a pull has two grants the pacer assumes the slowest rate it believes. Rates
+    are bounded, so no reply makes it wait longer than `nominal` times the fastest rate,
+    nor renew more often than once per `floor` local seconds."""
+
+    def __init__(self, renew_every: float, ttl: float, lease: Lease, sent: float, received: float) -> None:
+        self.nominal = min(renew_every, ttl / 3)  # registry seconds between renewals
+        self.floor = self.nominal * _RATE_MIN  # local seconds between renewals, at least
+        self.rate: float | None = None  # local seconds per registry second, once measured
+        self._base: tuple[float, float] | None = None  # (local reply time, registry time) of a grant
+        self.due = 0.0  # the local time of the next renewal
+        self.granted(lease, sent, received)
+
+    def granted(self, lease: Lease, sent: float, received: float) -> None:
+        """The acquire's or a renewal's grant, asked at local time `sent` and answered at `received`."""
+        at = lease.expires_at - lease.ttl
+        if math.isfinite(at):
+            if self._base is None:
+                self._base = (received, at)
+            elif (registry := at - self._base[1]) <= 0:  # an odd reply, or the last one was: measure from here
+                self._base = (received, at)
+            elif (local := sent - self._base[0]) > 0:  # else too close to the last grant: measure a longer span
+                self.rate = min(max(local / registry, _RATE_MIN), _RATE_MAX)
+                self._base = (received, at)
+        interval = self.nominal
+        if math.isfinite(lease.ttl) and lease.ttl > 0:
+            interval = min(interval, lease.ttl / 3)
+        self._schedule(sent, interval)
+
+    def failed(self, sent: float) -> None:
+        """A renewal asked at `sent` failed, though the lease may hold: try again as soon."""
+        self._schedule(sent, self.nominal)
+
+    def _schedule(self, sent: float, interval: float) -> None:
+        rate = _RATE_MIN if self.rate is None else self.rate
+        self.due = sent + max(interval * rate, self.floor)
 
 
 @attrs.frozen
@@ -93,7 +145,12 @@ class Puller:
         `verify_digests=None` checks them there, True insists (refused for a GPU mirror).
         A pull in which no read lands for `stall_timeout` seconds ends with
         `NoProgressError` (None waits forever). Progress is counted per read, and a read
-        is at most a bucket, so the bound must exceed the time one bucket takes."""
+        is at most a bucket, so the bound must exceed the time one bucket takes.
+
+        While a read runs the lease is renewed every `renew_every` seconds of the
+        registry's clock (default, and at most, a third of the TTL), whatever the rate of
+        `clock`: the registry's grants measure it (see `_Pacer`), and until they have,
+        the first renewal comes early, after an eighth of that interval."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(
                 f"digests are verified on host mirrors only, not on {device!r}; "
@@ -176,6 +233,7 @@ class Puller:
     async def _pull(self, version: int | None) -> Pulled:
         started = self.clock.now()
         lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self._manifest(lease.version)
             if manifest.transport != self.transport.name:
@@ -187,7 +245,7 @@ class Puller:
             reads = self._reads(manifest)
             self.mirror_version = None  # overwritten from here on
             try:
-                lease, renewals = await self._read_all(lease, manifest, reads, mirror)
+                lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror)
             except (RegionNotRegisteredError, PeerGoneError, NoProgressError):
                 self._forget(manifest)  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
@@ -216,10 +274,15 @@ class Puller:
         return reads
 
     async def _read_all(
-        self, lease: Lease, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], mirror: Region
+        self,
+        lease: Lease,
+        pacer: _Pacer,
+        manifest: Manifest,
+        reads: list[tuple[Remote, int, int, int]],
+        mirror: Region,
     ) -> tuple[Lease, int]:
         """Make every read (concurrently, as the transport sees fit) while renewing the
-        lease and watching that reads land; check the lease after."""
+        lease when `pacer` says and watching that reads land; check the lease after."""
         renewals = 0
         lost: list[BaseException] = []
         landed, last_landed, stalled = 0, self.clock.now(), False
@@ -232,16 +295,20 @@ class Puller:
         async def renew_loop() -> None:
             nonlocal lease, renewals
             while True:
-                await self.clock.sleep(self.renew_every)
+                await self.clock.sleep(pacer.due - self.clock.now())
+                sent = self.clock.now()
                 try:
                     lease = await self.registry.renew(lease)
-                    renewals += 1
                 except _LEASE_LOST as exc:
                     lost.append(exc)
                     tg.cancel_scope.cancel()
                     return
                 except WeightpullError as exc:  # transient: the final check decides
                     log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
+                    pacer.failed(sent)
+                    continue
+                renewals += 1
+                pacer.granted(lease, sent, self.clock.now())
 
         async def read_all() -> None:
             await self._read_many([(remote, off, mirror, local_off, n) for remote, off, local_off, n in reads], note)
