@@ -16,7 +16,6 @@ from weightpull import (
     TensorSpec,
     VersionInUseError,
     VersionNotFoundError,
-    VersionOrderError,
     VersionState,
     VersionStateError,
     plan_layout,

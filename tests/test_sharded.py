@@ -19,7 +19,6 @@ from weightpull import (
     TensorSpec,
     VersionInUseError,
     VersionNotFoundError,
-    VersionOrderError,
     VersionState,
     VersionStateError,
     plan_layout,
