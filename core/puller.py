@@ -14,7 +14,7 @@ import logging
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Self
 
 import anyio
@@ -32,12 +32,14 @@ from .errors import (
     PeerGoneError,
     RegionNotRegisteredError,
     TornReadError,
+    VersionStateError,
     WeightpullError,
     first_error,
 )
 from .layout import Layout
 from .manifest import Manifest, bucket_digest
-from .registry import Lease, Registry
+from .registry import Lease, Registry, StreamingRegistry
+from .states import VersionState
 from .transport import Region, Remote, Transport
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class Puller:
         staging: bool | None = None,
         verify_digests: bool | None = None,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+        stream: bool = False,
         clock: Clock | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
@@ -150,7 +153,13 @@ class Puller:
         While a read runs the lease is renewed every `renew_every` seconds of the
         registry's clock (default, and at most, a third of the TTL), whatever the rate of
         `clock`: the registry's grants measure it (see `_Pacer`), and until they have,
-        the first renewal comes early, after an eighth of that interval."""
+        the first renewal comes early, after an eighth of that interval.
+
+        With `stream`, a pull of the newest version also takes one still being written
+        (STREAMING, from a publisher with `stream=True`): it reads each bucket once the
+        publisher marks it committed, waits for the rest, and keeps the copy only if
+        the version turns READY while the lease holds; a stream that ends otherwise is a
+        `TornReadError`. The registry must be a `StreamingRegistry`."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(
                 f"digests are verified on host mirrors only, not on {device!r}; "
@@ -170,6 +179,9 @@ class Puller:
         self.device = device
         self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
         self.stall_timeout = stall_timeout
+        if stream and not isinstance(registry, StreamingRegistry):
+            raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
+        self.stream = stream
         self.clock = clock or MonotonicClock()
         self.mirror: Region | None = None
         self.mirror_version: int | None = None  # what the mirror holds, verified
@@ -183,7 +195,8 @@ class Puller:
         self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0}
 
     async def pull(self, version: int | None = None) -> Pulled:
-        """Copy the newest READY version (or `version`, if READY) into the mirror.
+        """Copy the newest READY version (or `version`, if READY) into the mirror; with
+        `stream`, the newest READY or STREAMING one (or `version`, if either).
 
         Raises `TornReadError` if the lease lapsed during the read, `DigestMismatchError`
         if the publisher recorded digests and a bucket disagrees, `NoProgressError` if no
@@ -232,7 +245,12 @@ class Puller:
 
     async def _pull(self, version: int | None) -> Pulled:
         started = self.clock.now()
-        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        if self.stream:
+            registry = self.registry
+            assert isinstance(registry, StreamingRegistry)  # checked when made
+            lease = await registry.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
+        else:
+            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self._manifest(lease.version)
@@ -249,6 +267,8 @@ class Puller:
             except (RegionNotRegisteredError, PeerGoneError, NoProgressError):
                 self._forget(manifest)  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
+            if self.stream and manifest.digests is None and self.verify_digests:
+                manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
             if manifest.digests is not None and self.verify_digests:
                 await self._verify(manifest, mirror)
             self.mirror_version = manifest.version
@@ -311,7 +331,12 @@ class Puller:
                 pacer.granted(lease, sent, self.clock.now())
 
         async def read_all() -> None:
-            await self._read_many([(remote, off, mirror, local_off, n) for remote, off, local_off, n in reads], note)
+            async with anyio.create_task_group() as readers:
+                async for batch in self._batches(manifest, reads, note):
+                    todo = [(remote, off, mirror, local_off, n) for remote, off, local_off, n in batch]
+                    readers.start_soon(self._read_many, todo, note)
+            if self.stream:
+                await self._until_ready(manifest)
             tg.cancel_scope.cancel()  # every byte landed: stop renewing
 
         async def watchdog(timeout: float) -> None:
@@ -323,7 +348,7 @@ class Puller:
 
         try:
             async with anyio.create_task_group() as tg:
-                if reads:  # else nothing to wait for (every tensor is empty)
+                if reads or self.stream:  # else nothing to wait for (every tensor is empty)
                     tg.start_soon(renew_loop)
                     tg.start_soon(read_all)
                     if self.stall_timeout is not None:
@@ -344,6 +369,44 @@ class Puller:
                 "the copy may mix versions and was rejected"
             ) from (lost[0] if lost else None)
         return lease, renewals
+
+    async def _batches(
+        self, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], note: Callable[[int], None]
+    ) -> AsyncIterator[list[tuple[Remote, int, int, int]]]:
+        """The reads, in batches as they may be made: all at once, or of a version still
+        STREAMING, each bucket's once the publisher marked it (an unsharded version's
+        reads are its buckets, in order)."""
+        if not self.stream or manifest.shards:
+            yield reads
+            return
+        registry = self.registry
+        assert isinstance(registry, StreamingRegistry)
+        issued = 0
+        while issued < len(reads):
+            try:
+                progress = await registry.wait_for_buckets(manifest.version, issued + 1)
+            except VersionStateError as exc:
+                raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
+            upto = len(reads) if progress.state is not VersionState.STREAMING else min(progress.committed, len(reads))
+            note(0)  # the publisher moved: not a stall
+            yield reads[issued:upto]
+            issued = upto
+
+    async def _until_ready(self, manifest: Manifest) -> None:
+        """Return once the version is READY; a stream that ends otherwise is torn."""
+        registry = self.registry
+        assert isinstance(registry, StreamingRegistry)
+        buckets = len(manifest.layout.buckets)
+        try:
+            # More buckets than it has: only its end answers.
+            progress = await registry.wait_for_buckets(manifest.version, buckets + 1)
+        except VersionStateError as exc:
+            raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
+        if progress.state is not VersionState.READY:
+            why = f" ({progress.reason})" if progress.reason else ""
+            raise TornReadError(
+                f"{self.holder}: v{manifest.version} ended {progress.state}{why} while streamed; the copy was rejected"
+            )
 
     async def _read_many(
         self, reads: list[tuple[Remote, int, Region, int, int]], landed: Callable[[int], None]
@@ -380,12 +443,22 @@ class Puller:
             raise DigestMismatchError(f"v{manifest.version}: bucket {bad} does not match its digest")
 
     async def _manifest(self, version: int) -> Manifest:
-        """Manifests never change once READY: fetch each version's once."""
-        if version not in self._manifests:
-            self._manifests[version] = await self.registry.get(version)
-            while len(self._manifests) > 4:
-                self._manifests.popitem(last=False)
-        return self._manifests[version]
+        """Manifests never change once READY: fetch each version's once (a stream's,
+        whose digests come at its commit, each time)."""
+        if version in self._manifests:
+            return self._manifests[version]
+        manifest = await self.registry.get(version)
+        if self.stream and (await self._state(version)) is not VersionState.READY:
+            return manifest
+        self._manifests[version] = manifest
+        while len(self._manifests) > 4:
+            self._manifests.popitem(last=False)
+        return manifest
+
+    async def _state(self, version: int) -> VersionState:
+        registry = self.registry
+        assert isinstance(registry, StreamingRegistry)
+        return (await registry.progress(version)).state
 
     def _mirror_for(self, layout: Layout) -> Region:
         """The registered mirror. A new layout signature means the model changed shape;

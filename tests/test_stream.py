@@ -5,7 +5,18 @@ import anyio
 import attrs
 import pytest
 
-from weightpull import FakeClock, InProcessRegistry, InvalidArgumentError, Manifest, VersionState, VersionStateError
+from weightpull import (
+    DigestMismatchError,
+    FakeClock,
+    InProcessRegistry,
+    InvalidArgumentError,
+    Manifest,
+    PublishError,
+    Puller,
+    TornReadError,
+    VersionState,
+    VersionStateError,
+)
 from weightpull.errors import NoReadyVersionError, PermissionDeniedError, VersionWaitTimeoutError
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal
@@ -140,3 +151,111 @@ async def test_a_streaming_publisher_marks_buckets_as_they_land(world):
     for name, t in host_tensors(1, sizes=(1500,) * 6).items():
         p = result.manifest.layout[name]
         assert bytes(view[p.offset : p.end]) == t.data
+
+
+# -- readers that stream ---------------------------------------------------------------
+
+
+class SlowAdapter:
+    """Host tensors copied at `rate` bytes per second of the fake clock, bucket by bucket:
+    a trainer's device-to-slot copy. `fail_at` raises partway, as a dying copy does."""
+
+    def __init__(self, clock, rate: float, fail_at: int | None = None):
+        from weightpull.tensors import HostTensorAdapter
+
+        self.inner, self.clock, self.rate, self.fail_at, self.writes = HostTensorAdapter(), clock, rate, fail_at, 0
+
+    def describe(self, name, value, rollout_dtype):
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items, region):
+        if self.fail_at is not None and self.writes >= self.fail_at:
+            raise RuntimeError("the trainer's device fell off the bus")
+        self.writes += 1
+        await self.clock.sleep(sum(p.spec.nbytes for _, p in items) / self.rate)
+        await self.inner.write(items, region)
+
+    async def fence(self):
+        await self.inner.fence()
+
+
+SIZES = (1500,) * 8  # eight buckets of 2048 bytes
+RATE = 1500.0  # bytes per second: one bucket a second, for the copy and for the read
+
+
+async def race(world, *, stream: bool, fail_at=None):
+    """Publish v1 slowly while a reader pulls the newest; (publish end, pull end, pulled or error)."""
+    from weightpull.drivers.fake import FakeFaults
+
+    adapter = SlowAdapter(world.clock, RATE, fail_at)
+    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+    puller = world.puller(world.transport(faults=FakeFaults(bandwidth=RATE)), stream=stream, ttl=30)
+    ended = {}
+
+    async def publish():
+        try:
+            await publisher.publish(1, host_tensors(1, sizes=SIZES))
+        except Exception as exc:
+            ended["publish_error"] = exc
+        ended["published"] = world.clock.now()
+
+    async def pull():
+        while True:
+            try:
+                ended["pulled"] = await puller.pull()
+                break
+            except NoReadyVersionError:
+                await world.clock.sleep(0.5)
+            except Exception as exc:
+                ended["pulled"] = exc
+                break
+        ended["pull_end"] = world.clock.now()
+
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(publish)
+        tg.start_soon(pull)
+    return ended, puller
+
+
+async def test_a_streaming_reader_finishes_about_a_bucket_after_the_publisher(world):
+    ended, puller = await race(world, stream=True)
+    pulled = ended["pulled"]
+    assert pulled.version == 1 and puller.mirror_version == 1
+    for name, t in host_tensors(1, sizes=SIZES).items():
+        assert bytes(pulled.view(name)) == t.data
+    # The copy takes 8 s; a serial pull would end 8 s later, the stream one bucket later.
+    assert ended["published"] == pytest.approx(8, abs=0.1)
+    assert ended["pull_end"] - ended["published"] <= 1.5
+
+
+async def test_a_plain_reader_waits_for_the_whole_version(world):
+    ended, _ = await race(world, stream=False)
+    assert ended["pulled"].version == 1
+    assert ended["pull_end"] - ended["published"] >= 7.5
+
+
+async def test_a_stream_aborted_midway_leaves_every_reader_with_a_rejected_copy(world):
+    ended, puller = await race(world, stream=True, fail_at=4)
+    assert isinstance(ended["publish_error"], PublishError)
+    error = ended["pulled"]
+    assert isinstance(error, TornReadError) and "ABORTED" in str(error) and "device fell off" in str(error)
+    assert puller.mirror_version is None
+    assert (await world.registry.progress(1)).state is VersionState.ABORTED
+
+
+async def test_a_streaming_reader_verifies_the_digests_that_come_with_the_commit(world):
+    publisher = world.publisher(stream=True, digests=True, bucket_bytes=2048)
+    await publisher.publish(1, host_tensors(1, sizes=SIZES))
+    puller = world.puller(stream=True)
+    view = publisher.slots[0].region.host_view()
+    view[10] ^= 0xFF  # a byte altered in the slot after the commit
+    with pytest.raises(DigestMismatchError):
+        await puller.pull()
+
+
+def test_streaming_needs_a_registry_that_streams(world):
+    class Plain:  # a Registry of someone else's that knows nothing of streams
+        pass
+
+    with pytest.raises(InvalidArgumentError, match="cannot stream"):
+        Puller(Plain(), world.transport(), stream=True)
