@@ -13,8 +13,17 @@ On a new one this client replays what it told the old run and still stands by (e
 publisher's newest committed version, versions begun and not yet ended, what each
 replica serves), then resends the call. Leases are not replayed: the new run knows none,
 so a read under one fails its final check as torn and the puller retries. A client that
-publishes sends a heartbeat, so the replay happens within about a second of a restart
-even while the trainer is between publishes.
+publishes or reports serving sends a heartbeat (`keepalive`, naming the publisher and
+replica names it stands by), which keeps them alive at the registry and makes the replay
+happen within about a second of a restart even while the trainer is between publishes.
+
+Who it is: with a key (`key=`, else `$WEIGHTPULL_KEY`: its secret certificate, and
+`server_key=`, else `$WEIGHTPULL_SERVER_KEY`: the server's public one) it speaks CURVE and
+acts as the principal its certificate names (`.principal`). Without one it speaks
+plainly to a development server, as admin; `secret=` (or `$WEIGHTPULL_SECRET`) is the
+deprecated HMAC mode, as admin too. A handshake the server refuses is silent in ZeroMQ:
+each new socket watches its monitor until its handshake succeeds, and a failure raises
+`AuthenticationError` naming the likely cause instead of waiting out the retries.
 
 Lifecycle: `async with ZmqRegistry(...)` (or `connect_registry(address)`) runs the
 heartbeat in a task group of the block, so it ends with the block. Used without `async
@@ -25,16 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
+import warnings
 from typing import Any, Self
 
 import anyio
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from weightpull.errors import (
     AuthenticationError,
     InvalidArgumentError,
+    MalformedMessageError,
     MessageTooLargeError,
     RegistryError,
     RegistryUnavailableError,
@@ -42,9 +55,11 @@ from weightpull.errors import (
     VersionWaitTimeoutError,
 )
 from weightpull.manifest import Manifest
+from weightpull.principals import ADMIN, Principal
 from weightpull.registry import Lease, RegistryStatus
 from weightpull.tasks import close_owned
 
+from . import keys as keyfiles
 from . import wire
 
 log = logging.getLogger("weightpull.registry.client")
@@ -55,6 +70,32 @@ def _shard(shard: tuple[int, int] | None) -> dict[str, Any]:
     """The optional `shard` argument, sent only when set: to an older server, a request
     without it is the same as ever."""
     return {} if shard is None else {"shard": [shard[0], shard[1]]}
+
+
+_NO_DETAIL_LIMIT = 2  # handshakes failed without detail before the server key is blamed
+
+
+class _Conn:
+    """A DEALER socket of the pool, and while its handshake has not succeeded yet, the
+    monitor that tells whether it failed."""
+
+    __slots__ = ("failed", "monitor", "sock")
+
+    def __init__(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
+        self.sock, self.monitor, self.failed = sock, monitor, 0
+
+    def unwatch(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
+            self.monitor = None
+
+    def close(self) -> None:
+        self.unwatch()
+        self.sock.close(linger=0)
 
 
 class _NewRun(Exception):
@@ -71,6 +112,8 @@ class ZmqRegistry:
         self,
         address: str,
         *,
+        key: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
         secret: bytes | str | None = None,
         timeout: float = 2.0,
         retry_for: float = 30.0,
@@ -83,8 +126,37 @@ class ZmqRegistry:
         if timeout <= 0 or retry_for < 0 or wait_poll <= 0:
             raise InvalidArgumentError("timeout and wait_poll must be positive, retry_for non-negative")
         self.address = address
-        secret = wire.load_secret() if secret is None else secret
-        self._key = secret.encode() if isinstance(secret, str) else secret or b""
+        self._cert: keyfiles.Certificate | None = None
+        self._server: keyfiles.Certificate | None = None
+        if key is None and secret is None:
+            key = os.environ.get(keyfiles.KEY_ENV) or None
+            secret = None if key is not None else wire.load_secret()
+        if key is not None and secret is not None:
+            raise InvalidArgumentError("pass a key or a secret (deprecated), not both")
+        if key is not None:
+            self._cert = keyfiles.load_secret_cert(key)
+            server_key = server_key or os.environ.get(keyfiles.SERVER_KEY_ENV) or None
+            if server_key is None:
+                raise InvalidArgumentError(
+                    f"a client with a key also needs the server's public key: pass server_key= (--server-key) "
+                    f"or set ${keyfiles.SERVER_KEY_ENV} to the server's .key file"
+                )
+            self._server = keyfiles.load(server_key)
+            if self._server.role != "server":
+                raise InvalidArgumentError(
+                    f"{str(server_key)!r} is the key of {self._server.role} {self._server.name}, not a server's: "
+                    "pass the public .key file of the pair `registry serve --server-key` was given"
+                )
+        elif secret:
+            warnings.warn(
+                "a shared secret (secret=, $WEIGHTPULL_SECRET, --secret-file) is deprecated and goes in a later "
+                "release: give this client a key (`weightpull keys new`; key=, $WEIGHTPULL_KEY)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self._key = b"" if secret is None else secret.encode() if isinstance(secret, str) else secret
+        # Who this client acts as: its certificate's principal; without a key, an admin.
+        self.principal: Principal = self._cert.principal if self._cert is not None else ADMIN
         self.timeout = timeout
         self.retry_for = retry_for
         self.wait_poll = wait_poll
@@ -101,21 +173,30 @@ class ZmqRegistry:
         self._writing: dict[tuple[int, str], tuple[int, tuple[int, int] | None]] = {}
         self._serving: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: list[zmq.asyncio.Socket] = []
+        self._idle: list[_Conn] = []
         self._adopting: anyio.Lock | None = None
         self._tasks: anyio.abc.TaskGroup | None = None  # inside `async with`: runs the heartbeat
         self._beat: anyio.CancelScope | None = None  # the running heartbeat's, to stop it
         self._loose: asyncio.Task[None] | None = None  # a heartbeat outside `async with` (the loop holds tasks weakly)
+        self._keepalive = True  # False once a server of an earlier release said it has no such op
 
     def __repr__(self) -> str:
         return f"ZmqRegistry({self.address!r}, run={self.epoch})"
 
     # -- publishing ----------------------------------------------------------------------
 
-    async def begin(self, version: int, *, publisher: str, slot: int, shard: tuple[int, int] | None = None) -> None:
-        await self._call("begin", version=version, publisher=publisher, slot=slot, **_shard(shard))
-        self._writing[version, publisher] = (slot, shard)
+    async def begin(
+        self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
+    ) -> int:
+        """Begin a version; the number the registry gave it (the one asked for while free)."""
+        number = await self._call("begin", version=version, publisher=publisher, slot=slot, **_shard(shard))
+        if not isinstance(number, int) or isinstance(number, bool):  # a server of an earlier release
+            if version is None:
+                raise MalformedMessageError("the registry did not say which number it gave the version")
+            number = version
+        self._writing[number, publisher] = (slot, shard)
         self._start_heartbeat()
+        return number
 
     async def commit(self, manifest: Manifest) -> None:
         await self._call("commit", manifest=manifest.to_dict())
@@ -200,9 +281,14 @@ class ZmqRegistry:
     async def report_serving(self, replica: str, version: int) -> None:
         await self._call("report_serving", replica=replica, version=version)
         self._serving[replica] = version
+        self._start_heartbeat()  # a replica stays alive, and in `serving`, while it runs
 
     async def status(self) -> RegistryStatus:
         return RegistryStatus.from_dict(await self._call("status"))
+
+    async def keepalive(self, names: tuple[str, ...] = ()) -> None:
+        """Renew this principal's liveness, and that of the names given (its own)."""
+        await self._call("keepalive", names=list(names))
 
     async def ping(self) -> str:
         """One round trip; the server's run epoch."""
@@ -273,19 +359,22 @@ class ZmqRegistry:
             raise InvalidArgumentError(f"{req.op}: arguments are not JSON values: {exc}") from None
         if len(frames[0]) > self.max_message:
             raise MessageTooLargeError(f"{req.op}: request of {len(frames[0])} bytes exceeds {self.max_message}")
-        sock = self._checkout()
+        conn = self._checkout()
         answered = False
         try:
             with anyio.move_on_after(timeout):
-                await sock.send_multipart(frames)
+                await conn.sock.send_multipart(frames)
+                if conn.monitor is not None:
+                    await self._handshake(conn)
                 while True:
-                    frames = await sock.recv_multipart()
+                    frames = await conn.sock.recv_multipart()
                     try:
                         reply = wire.decode_reply(self._key, frames, max_bytes=self.max_message)
                     except AuthenticationError:
                         raise AuthenticationError(
                             f"the registry at {self.address} and this client do not share a secret, so it "
-                            f"refused {req.op} (set ${wire.SECRET_ENV} or --secret-file to the server's secret)"
+                            f"refused {req.op} (set ${wire.SECRET_ENV} or --secret-file to the server's secret, "
+                            "or, better, give this client a key: `weightpull keys new`)"
                         ) from None
                     # Only this request is outstanding on this socket; a broken message
                     # is answered with re=None, which is also ours.
@@ -296,11 +385,56 @@ class ZmqRegistry:
             return None
         finally:
             if answered:
-                self._idle.append(sock)
+                self._idle.append(conn)
             else:
-                sock.close(linger=0)
+                conn.close()
 
-    def _checkout(self) -> zmq.asyncio.Socket:
+    async def _handshake(self, conn: _Conn) -> None:
+        """Wait for `conn`'s handshake: return once it succeeded, raise
+        `AuthenticationError` naming the likely cause once the server refused it. (A
+        server not up yet shows no event: the attempt's timeout covers it.)"""
+        assert conn.monitor is not None
+        while True:
+            event = parse_monitor_message(await conn.monitor.recv_multipart())
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                conn.unwatch()
+                return
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                assert self._cert is not None
+                raise AuthenticationError(
+                    f"the registry at {self.address} refused the key of {self.principal} "
+                    f"({self._cert.path}, public key {self._cert.public[:8].decode()}...): it is unknown there "
+                    f"or was revoked; its operator adds {self._cert.name}.key to the server's keys directory"
+                )
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                if self._cert is not None:
+                    raise AuthenticationError(
+                        f"the registry at {self.address} takes no keys (it serves --insecure-dev, or a "
+                        f"deprecated secret) while this client has one ({self._cert.path}): drop --key and "
+                        f"${keyfiles.KEY_ENV}, or serve with --keys and --server-key"
+                    )
+                raise AuthenticationError(
+                    f"the registry at {self.address} takes keys and this client has none: pass --key "
+                    f"FILE --server-key FILE (or set ${keyfiles.KEY_ENV} and ${keyfiles.SERVER_KEY_ENV}); "
+                    "`weightpull keys new` makes one"
+                )
+            if kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                conn.failed += 1
+                if conn.failed >= _NO_DETAIL_LIMIT:
+                    if self._server is None:
+                        raise AuthenticationError(
+                            f"the handshake with the registry at {self.address} failed {conn.failed} times: "
+                            "it likely takes keys and this client has none (pass --key and --server-key)"
+                        )
+                    raise AuthenticationError(
+                        f"the handshake with the registry at {self.address} failed {conn.failed} times: the "
+                        f"server key ({self._server.path}) is likely not this server's (pass the public .key of "
+                        "the pair its `registry serve --server-key` names), or the server takes no keys "
+                        "(it serves --insecure-dev, or a deprecated secret)"
+                    )
+
+    def _checkout(self) -> _Conn:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # pyzmq's asyncio sockets belong to one loop
             self._reset(loop)
@@ -308,12 +442,23 @@ class ZmqRegistry:
             return self._idle.pop()
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)  # one I/O thread for all clients
         sock.setsockopt(zmq.LINGER, 0)
+        if self._cert is not None and self._server is not None:
+            assert self._cert.secret is not None
+            sock.curve_secretkey = self._cert.secret
+            sock.curve_publickey = self._cert.public
+            sock.curve_serverkey = self._server.public
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         sock.connect(self.address)
-        return sock
+        return _Conn(sock, monitor)
 
     def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        for sock in self._idle:
-            sock.close(linger=0)
+        for conn in self._idle:
+            conn.close()
         self._idle.clear()
         self._stop_heartbeat()  # its sockets are closed; on another loop, it is gone anyway
         self._loop = loop
@@ -357,7 +502,7 @@ class ZmqRegistry:
         for manifest in sorted([*self._committed.values(), *self._parts.values()], key=lambda m: m.version):
             shard = (manifest.shards[0].index, manifest.shards[0].count) if manifest.shards else None
             try:
-                await self._call(
+                number = await self._call(
                     "begin",
                     version=manifest.version,
                     publisher=manifest.publisher,
@@ -365,6 +510,7 @@ class ZmqRegistry:
                     _run=run,
                     **_shard(shard),
                 )
+                await self._renumbered(number, manifest.version, run)
                 await self._call("commit", manifest=manifest.to_dict(), _run=run)
             except RegistryError as exc:
                 self._replay_refused(exc, f"v{manifest.version}")
@@ -374,12 +520,22 @@ class ZmqRegistry:
                     del self._parts[manifest.version, manifest.publisher]
         for (version, publisher), (slot, shard) in sorted(self._writing.items()):
             try:
-                await self._call("begin", version=version, publisher=publisher, slot=slot, _run=run, **_shard(shard))
+                number = await self._call(
+                    "begin", version=version, publisher=publisher, slot=slot, _run=run, **_shard(shard)
+                )
+                await self._renumbered(number, version, run)
             except RegistryError as exc:
                 self._replay_refused(exc, f"v{version} (being written)")
                 del self._writing[version, publisher]
         for replica, version in self._serving.items():
             await self._call("report_serving", replica=replica, version=version, _run=run)
+
+    async def _renumbered(self, number: Any, version: int, run: str) -> None:
+        """A replayed begin must get its old number back (the new run is empty but for
+        what the other clients replayed first): else give the new one up, and refuse."""
+        if isinstance(number, int) and not isinstance(number, bool) and number != version:
+            await self._call("abort", version=number, reason=f"replay of v{version} got v{number}", _run=run)
+            raise VersionNotFoundError(f"v{version} is taken in the new run (it gave v{number})")
 
     def _replay_refused(self, exc: RegistryError, what: str) -> None:
         """Forget `what` if the new run refused it (another publisher's newer version
@@ -388,9 +544,16 @@ class ZmqRegistry:
             raise exc
         log.warning("could not re-announce %s into the restarted registry: %s", what, exc)
 
+    def _names(self) -> list[str]:
+        """The publisher and replica names this client stands by, which its heartbeat
+        keeps alive at the registry."""
+        names = {*self._committed, *(p for _, p in self._writing), *(p for _, p in self._parts), *self._serving}
+        return sorted(names)
+
     def _start_heartbeat(self) -> None:
-        """Publishers ping, so a restarted registry learns their versions without
-        waiting for the next publish. Inside `async with` the block's task group runs
+        """Publishers and serving replicas send `keepalive`, which keeps them alive at the
+        registry, and lets a restarted registry learn their versions without waiting for
+        the next publish. Inside `async with` the block's task group runs
         it; outside, with no scope to run in, a task of the loop that `aclose` or the
         loop's end stops."""
         if not self.heartbeat or self._beat is not None:
@@ -412,10 +575,18 @@ class ZmqRegistry:
         assert self.heartbeat
         try:
             with scope:
-                while self._committed or self._writing or self._parts:
+                while self._names():
                     await anyio.sleep(self.heartbeat)
                     try:
-                        await self._call("ping")
+                        if self._keepalive:
+                            await self._call("keepalive", names=self._names())
+                        else:
+                            await self._call("ping")
+                    except MalformedMessageError as exc:
+                        if self._keepalive and "unknown operation" in str(exc):
+                            self._keepalive = False  # a server of an earlier release: ping, as it knows
+                        else:
+                            log.warning("heartbeat to %s failed: %s", self.address, exc)
                     except RegistryError as exc:
                         log.warning("heartbeat to %s failed: %s", self.address, exc)
         finally:

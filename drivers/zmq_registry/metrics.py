@@ -89,10 +89,20 @@ class StatusCollector:
             if s.newest_ready is not None:
                 behind.add_metric([replica], s.newest_ready - version)
         yield from (serving, behind)
+        alive = GaugeMetricFamily(
+            "weightpull_registry_principal_alive_seconds",
+            "Seconds each principal's liveness has left (<= 0: lapsed, its versions withdrawn)",
+            labels=["principal"],
+        )
+        for name, left in sorted(s.alive.items()):
+            alive.add_metric([name], left)
+        yield alive
 
         yield CounterMetricFamily("weightpull_registry_requests", "Requests answered", value=self.server.served)
         yield CounterMetricFamily(
-            "weightpull_registry_refused", "Messages refused (framing, MAC, replay...)", value=self.server.refused
+            "weightpull_registry_refused",
+            "Messages and handshakes refused (keys, framing, MAC, replay...)",
+            value=self.server.refused,
         )
 
 

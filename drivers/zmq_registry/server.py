@@ -1,11 +1,25 @@
 """`weightpull registry serve`: an `InProcessRegistry` behind a ZeroMQ ROUTER socket.
 
 One task reads requests and answers them in arrival order. Each operation is one
-synchronous call on the registry's `RegistryMachine`, so it runs whole before the next
-message is read and no two interleave; only `wait_for_version` waits, on the
-`InProcessRegistry` around that machine, in a task of its own. A message that fails any check
-(framing, size, MAC, replay window, schema) gets an error reply and a log line, and
-touches nothing. Leases are judged on this process's clock.
+synchronous call on the registry's `RegistryMachine`, made as the principal the request
+came from, so it runs whole before the next message is read and no two interleave; only
+`wait_for_version` waits, on the `InProcessRegistry` around that machine, in a task of its
+own. A message that fails any check (authentication, framing, size, schema) gets an error
+reply and a log line, and touches nothing. Leases and liveness are judged on this
+process's clock.
+
+Who asks, in one of three modes:
+
+- **keys** (`keys=DIR, server_key=FILE`): CURVE encryption with ZAP authentication. The
+  server's ZAP handler admits a client whose public key has a certificate in DIR, and
+  names it by that key (its ZeroMQ User-Id); each message's principal is looked up
+  afresh in DIR's certificates (keys.py), reloaded when DIR changes, so a key added
+  works at its next handshake and a key revoked stops working at its next message, even
+  on a connection made before.
+- **dev** (`insecure_dev=True`, or nothing): no encryption and no authentication, loopback
+  addresses only; every client acts as admin.
+- **secret** (`secret=`, deprecated): the HMAC framing of earlier releases; every client
+  that holds the secret acts as admin.
 
 State is not persisted: each start draws a new run epoch, every reply names it, and
 clients replay into a new run what they stand by (see client.py).
@@ -18,20 +32,32 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import secrets
 import signal
 import time
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
-from weightpull.errors import InvalidArgumentError, ProtocolError, RegistryError, WeightpullError
+from weightpull.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    ProtocolError,
+    RegistryError,
+    WeightpullError,
+)
 from weightpull.manifest import Manifest
+from weightpull.principals import ADMIN, Principal
 from weightpull.registry import InProcessRegistry, Lease
 
+from . import keys as keyfiles
 from . import wire
 from .wire import EPOCH_MISMATCH, Reply
 
@@ -39,6 +65,9 @@ log = logging.getLogger("weightpull.registry.server")
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
 MAX_WAIT = 30.0  # longest a wait_for_version request is held; clients poll again
+DEFAULT_LIVENESS_TTL = 10.0  # seconds a principal not heard from stays alive
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+RESCAN = 1.0  # seconds between full looks at the keys directory (besides its mtime on each message)
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -56,13 +85,64 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+class KeyRing:
+    """The principals of a keys directory by z85 public key, kept current: reloaded when
+    the directory's mtime moves (checked on every lookup, one stat) and when a full look,
+    at most every `RESCAN` seconds, finds a certificate changed."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise InvalidArgumentError(f"the keys directory {str(self.directory)!r} does not exist")
+        self._mtime = -1
+        self._print: tuple[tuple[str, int, int], ...] | None = None
+        self._scanned = -float("inf")
+        self.principals: dict[bytes, Principal] = {}
+        self.refresh(force=True)
+
+    def refresh(self, *, force: bool = False) -> None:
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            mtime = -1
+        now = time.monotonic()
+        if not force and mtime == self._mtime and now - self._scanned < RESCAN:
+            return
+        self._mtime, self._scanned = mtime, now
+        current = keyfiles.fingerprint(self.directory)
+        if current == self._print and not force:
+            return
+        self._print = current
+        before = self.principals
+        self.principals = keyfiles.authorized(self.directory)
+        if before or force:
+            added = {str(p) for k, p in self.principals.items() if k not in before}
+            gone = {str(p) for k, p in before.items() if k not in self.principals}
+            if added or gone or force:
+                log.info(
+                    "keys in %s: %d principals%s%s",
+                    self.directory,
+                    len(self.principals),
+                    f"; added {', '.join(sorted(added))}" if added and not force else "",
+                    f"; revoked {', '.join(sorted(gone))}" if gone else "",
+                )
+
+    def lookup(self, public: bytes) -> Principal | None:
+        self.refresh()
+        return self.principals.get(public)
+
+
 class RegistryServer:
     def __init__(
         self,
         bind: str = DEFAULT_BIND,
         *,
+        keys: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        insecure_dev: bool = False,
         secret: bytes | None = None,
         registry: InProcessRegistry | None = None,
+        liveness_ttl: float | None = DEFAULT_LIVENESS_TTL,
         max_message: int = wire.MAX_MESSAGE,
         replay_window: float = wire.REPLAY_WINDOW,
         reply_cache: int = 4096,
@@ -70,20 +150,57 @@ class RegistryServer:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
     ) -> None:
-        """`metrics_port` (0 picks a free one) serves Prometheus metrics on
+        """`keys` (a directory of principals' public certificates) with `server_key` (the
+        server's secret certificate) serve with CURVE and ZAP; `insecure_dev` (or none of
+        keys, server_key and secret) serves loopback only, unauthenticated, every client an
+        admin; `secret` is the deprecated HMAC mode. `liveness_ttl` is how long a principal
+        not heard from stays alive (None: never lapses) when `registry` is left to this
+        server to make. `metrics_port` (0 picks a free one) serves Prometheus metrics on
         `http://metrics_host:port/metrics` while `serve` runs; they are read-only and
         unauthenticated, so the host defaults to loopback."""
         if metrics_port is not None and (not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535):
             raise InvalidArgumentError(f"metrics_port must be a TCP port (0-65535), got {metrics_port!r}")
-        if not secret and not is_loopback(bind):
+        chosen = [
+            what for what, given in (("keys", keys or server_key), ("secret", secret), ("dev", insecure_dev)) if given
+        ]
+        if len(chosen) > 1:
             raise InvalidArgumentError(
-                f"refusing to serve on {bind} without a secret: set ${wire.SECRET_ENV} or pass "
-                "--secret-file, or bind to a loopback address"
+                f"pick one way to authenticate clients: keys (--keys and --server-key), a secret "
+                f"(deprecated) or --insecure-dev; got {' and '.join(chosen)}"
+            )
+        self.mode = chosen[0] if chosen else "dev"
+        self.ring: KeyRing | None = None
+        self.server_cert: keyfiles.Certificate | None = None
+        if self.mode == "keys":
+            if not keys or not server_key:
+                raise InvalidArgumentError(
+                    "keys mode needs both the keys directory (--keys DIR) and the server's secret "
+                    "certificate (--server-key FILE)"
+                )
+            self.server_cert = keyfiles.load_secret_cert(server_key, "server key")
+            if self.server_cert.role != "server":
+                raise InvalidArgumentError(
+                    f"{str(server_key)!r} is the key of {self.server_cert.role} {self.server_cert.name}, "
+                    "not a server's: make one with `weightpull keys new --role server --name NAME`"
+                )
+            self.ring = KeyRing(keys)
+        elif self.mode == "secret":
+            warnings.warn(
+                "serving the registry with a shared secret is deprecated and goes in a later release: "
+                "give each client a key (`weightpull keys new`) and serve with keys=/server_key= "
+                "(--keys/--server-key); docs/registry-service.md",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        if self.mode == "dev" and not is_loopback(bind):
+            raise InvalidArgumentError(
+                f"refusing to serve on {bind} without authentication: the development mode serves "
+                "loopback addresses only; serve with keys (--keys DIR --server-key FILE) to bind others"
             )
         self.bind = bind
-        self.key = secret or b""
+        self.key = secret or b""  # the HMAC key: empty but in the deprecated secret mode
         self.epoch = secrets.token_hex(8)  # this run; a restart draws another
-        self.registry = registry or InProcessRegistry()
+        self.registry = registry or InProcessRegistry(liveness_ttl=liveness_ttl)
         self.machine = self.registry.machine  # decides every operation but waiting
         self.max_message = max_message
         self.max_wait = max_wait
@@ -112,42 +229,112 @@ class RegistryServer:
                 await anyio.to_thread.run_sync(metrics.close)
 
     async def _serve(self, task_status: anyio.abc.TaskStatus[str]) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.asyncio.Context()  # its own: the ZAP handler serves this context's sockets alone
+        zap: zmq.asyncio.Socket | None = None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Frames over the limit get an error reply; far over it, zmq drops the
         # connection before buffering them.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_message + 4096)
         try:
-            try:
-                sock.bind(self.bind)
-            except zmq.ZMQError as exc:
-                raise RegistryError(f"cannot bind {self.bind}: {exc}") from None
-            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            task_status.started(self.endpoint)
             async with anyio.create_task_group() as tg:
+                if self.server_cert is not None:
+                    assert self.server_cert.secret is not None
+                    zap = ctx.socket(zmq.REP)
+                    zap.setsockopt(zmq.LINGER, 0)
+                    zap.bind(ZAP_ENDPOINT)
+                    tg.start_soon(self._zap, zap)
+                    sock.curve_server = True
+                    sock.curve_secretkey = self.server_cert.secret
+                    sock.curve_publickey = self.server_cert.public
+                    sock.zap_domain = b"weightpull"
+                try:
+                    sock.bind(self.bind)
+                except zmq.ZMQError as exc:
+                    raise RegistryError(f"cannot bind {self.bind}: {exc}") from None
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                task_status.started(self.endpoint)
                 while True:
-                    frames = await sock.recv_multipart()
+                    parts = await sock.recv_multipart(copy=False)
+                    peer, frames = parts[0].bytes, [f.bytes for f in parts[1:]]
                     try:
-                        await self._handle(sock, tg, frames[0], frames[1:])
+                        who = self._principal(parts[-1])
+                        await self._handle(sock, tg, peer, frames, who)
                     except Exception:  # a bug must cost one message, never the server
-                        log.exception("could not answer a message from peer %s", frames[0].hex()[:10])
+                        log.exception("could not answer a message from peer %s", peer.hex()[:10])
         finally:
             sock.close(linger=0)
+            if zap is not None:
+                zap.close(linger=0)
             ctx.term()
 
+    async def _zap(self, zap: zmq.asyncio.Socket) -> None:
+        """The ZAP handler: admit a CURVE client whose public key a certificate in the keys
+        directory names; its User-Id is that key (z85), looked up again per message."""
+        assert self.ring is not None
+        while True:
+            request = await zap.recv_multipart()
+            version, request_id = request[0], request[1] if len(request) > 1 else b""
+            status, text, user = b"400", b"Unknown key", b""
+            try:
+                _, _, _, address, _, mechanism, *credentials = request
+                if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
+                    public = z85.encode(credentials[0])
+                    principal = self.ring.lookup(public)
+                    if principal is not None:
+                        status, text, user = b"200", b"OK", public
+                        log.debug("admitted %s from %s", principal, address.decode(errors="replace"))
+                    else:
+                        self.refused += 1
+                        log.warning(
+                            "refused a handshake from %s: key %s... is not in %s (unknown or revoked)",
+                            address.decode(errors="replace"),
+                            public[:8].decode(),
+                            self.ring.directory,
+                        )
+                else:
+                    text = b"CURVE only"
+            except ValueError:
+                text = b"Malformed ZAP request"
+            await zap.send_multipart([version, request_id, status, text, user, b""])
+
+    def _principal(self, frame: zmq.Frame) -> Principal | AuthenticationError:
+        """Who sent this message: in keys mode the principal of its key as the keys
+        directory says now (a key revoked since the handshake is refused), else admin."""
+        if self.ring is None:
+            return ADMIN
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:
+            user = ""
+        principal = self.ring.lookup(str(user).encode())
+        if principal is None:
+            return AuthenticationError(
+                f"the key {str(user)[:8]}... is no longer authorized at this registry (revoked since it "
+                "connected): ask its operator for a key (`weightpull keys new`)"
+            )
+        return principal
+
     async def _handle(
-        self, sock: zmq.asyncio.Socket, tg: anyio.abc.TaskGroup, peer: bytes, frames: list[bytes]
+        self,
+        sock: zmq.asyncio.Socket,
+        tg: anyio.abc.TaskGroup,
+        peer: bytes,
+        frames: list[bytes],
+        who: Principal | AuthenticationError = ADMIN,
     ) -> None:
         try:
+            if isinstance(who, AuthenticationError):
+                raise who
             req = wire.decode_request(self.key, frames, max_bytes=self.max_message)
-            self.window.admit(req.nonce, req.ts, time.time())
+            if self.mode == "secret":  # CURVE has replay protection of its own; dev mode has none to give
+                self.window.admit(req.nonce, req.ts, time.time())
             if req.epoch != self.epoch:  # a new client, or one that has not seen this run yet
                 error = {"type": EPOCH_MISMATCH, "message": f"this registry is run {self.epoch}"}
                 await self._send(sock, peer, Reply.failure(self.epoch, error, id=req.id, re=req.nonce))
                 return
             op = wire.check_args(req)
-            cached = self.replies.get(req) if op.mutates else None
+            cached = self.replies.get(req, str(who)) if op.mutates else None
         except WeightpullError as exc:  # ProtocolError or AuthenticationError
             self.refused += 1
             log.warning("refused a message from peer %s: %s: %s", peer.hex()[:10], type(exc).__name__, exc)
@@ -157,16 +344,18 @@ class RegistryServer:
         if cached is not None:  # a retry: answer it as the first attempt was answered
             await self._send(sock, peer, self._reply(req, cached))
         elif req.op == "wait_for_version":
-            tg.start_soon(self._wait, sock, peer, req)
+            tg.start_soon(self._wait, sock, peer, req, who)
         else:
-            await self._answer(sock, peer, req, op.mutates)
+            await self._answer(sock, peer, req, op.mutates, who)
 
-    async def _answer(self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, cache: bool) -> None:
+    async def _answer(
+        self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, cache: bool, who: Principal
+    ) -> None:
         try:
             if req.op == "wait_for_version":
-                result = await self._wait_for_version(req.args)
+                result = await self._wait_for_version(req.args, who)
             else:
-                result = self._execute(req.op, req.args)  # synchronous: nothing interleaves
+                result = self._execute(req.op, req.args, who)  # synchronous: nothing interleaves
             outcome: dict[str, Any] = {"ok": True, "result": result}
         except WeightpullError as exc:
             outcome = {"ok": False, "error": wire.error_to_dict(exc)}
@@ -177,13 +366,13 @@ class RegistryServer:
                 "error": {"type": "RegistryError", "message": f"internal error in {req.op}: {exc!r}"},
             }
         if cache:
-            self.replies.put(req, outcome)
+            self.replies.put(req, outcome, str(who))
         self.served += 1
         await self._send(sock, peer, self._reply(req, outcome))
 
-    async def _wait(self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request) -> None:
+    async def _wait(self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, who: Principal) -> None:
         try:
-            await self._answer(sock, peer, req, False)
+            await self._answer(sock, peer, req, False, who)
         except Exception:  # in a task of the server's group: it must not end the server
             log.exception("could not answer wait_for_version from peer %s", peer.hex()[:10])
 
@@ -193,42 +382,45 @@ class RegistryServer:
     async def _send(self, sock: zmq.asyncio.Socket, peer: bytes, reply: Reply) -> None:
         await sock.send_multipart([peer, *wire.encode_reply(self.key, reply)])
 
-    def _execute(self, op: str, a: dict[str, Any]) -> Any:
-        """Run one checked request on the machine; the result as JSON values."""
+    def _execute(self, op: str, a: dict[str, Any], by: Principal = ADMIN) -> Any:
+        """Run one checked request on the machine as `by`; the result as JSON values."""
         m = self.machine
         match op:
             case "ping":
-                return None
+                return m.keepalive((), by=by)  # a sign of life, as every request is
+            case "keepalive":
+                return m.keepalive(tuple(a["names"]), by=by)
             case "begin":
-                return m.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a))
+                return m.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a), by=by)
             case "commit":
-                return m.commit(Manifest.from_dict(a["manifest"]))
+                return m.commit(Manifest.from_dict(a["manifest"]), by=by)
             case "abort":
-                return m.abort(a["version"], a["reason"], shard=_shard(a))
+                return m.abort(a["version"], a["reason"], shard=_shard(a), by=by)
             case "retire":
-                return m.retire(a["version"])
+                return m.retire(a["version"], by=by)
             case "reclaim":
-                return m.reclaim(a["version"])
+                return m.reclaim(a["version"], by=by)
             case "newest":
-                manifest = m.newest()
+                manifest = m.newest(by=by)
                 return None if manifest is None else manifest.to_dict()
             case "get":
-                return m.get(a["version"]).to_dict()
+                return m.get(a["version"], by=by).to_dict()
             case "acquire":
-                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"]).to_dict()
+                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"], by=by).to_dict()
             case "renew":
-                return m.renew(Lease.from_dict(a["lease"])).to_dict()
+                return m.renew(Lease.from_dict(a["lease"]), by=by).to_dict()
             case "release":
-                return m.release(Lease.from_dict(a["lease"]))
+                return m.release(Lease.from_dict(a["lease"]), by=by)
             case "is_valid":
-                return m.is_valid(Lease.from_dict(a["lease"]))
+                return m.is_valid(Lease.from_dict(a["lease"]), by=by)
             case "report_serving":
-                return m.report_serving(a["replica"], a["version"])
+                return m.report_serving(a["replica"], a["version"], by=by)
             case "status":
-                return m.status().to_dict()
+                return m.status(by=by).to_dict()
         raise ProtocolError(f"no handler for {op!r}")  # wire.OPS and this match disagree
 
-    async def _wait_for_version(self, a: dict[str, Any]) -> Any:
+    async def _wait_for_version(self, a: dict[str, Any], by: Principal) -> Any:
+        self.machine.keepalive((), by=by)  # a reader waiting is alive
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
         return (await self.registry.wait_for_version(a["min_version"], timeout)).to_dict()
 

@@ -149,6 +149,7 @@ ShardArg = schema.refined(
     "ShardArg", tuple[Count, Count], "[index, count] with 0 <= index < count", lambda v: v[0] < v[1]
 )
 Object = dict[str, Any]
+Names = schema.refined("Names", list[Text], "a list of at most 1024 names", lambda v: len(v) <= 1024)
 
 
 @attrs.frozen
@@ -282,7 +283,8 @@ class Op:
 
 OPS: Mapping[str, Op] = {
     "ping": Op({}, False),
-    "begin": Op({"version": Count, "publisher": Text, "slot": Count}, True, {"shard": ShardArg}),
+    "keepalive": Op({"names": Names}, False),
+    "begin": Op({"version": Count | None, "publisher": Text, "slot": Count}, True, {"shard": ShardArg}),
     "commit": Op({"manifest": Object}, True),
     "abort": Op({"version": Count, "reason": Text}, True, {"shard": ShardArg}),
     "retire": Op({"version": Count}, True),
@@ -401,22 +403,23 @@ def fingerprint(req: Request) -> str:
 
 class ReplyCache:
     """The outcomes of recent mutating requests by request id, so a retry (same id,
-    fresh nonce) gets the first outcome instead of running again."""
+    fresh nonce) gets the first outcome instead of running again. Each principal (`who`)
+    has its own ids: one never gets the outcome of another's request."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self._entries: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[str, dict[str, Any]]] = OrderedDict()
 
-    def get(self, req: Request) -> dict[str, Any] | None:
-        entry = self._entries.get(req.id)
+    def get(self, req: Request, who: str = "") -> dict[str, Any] | None:
+        entry = self._entries.get((who, req.id))
         if entry is None:
             return None
         if entry[0] != fingerprint(req):
             raise MalformedMessageError(f"request id {req.id} was already used for a different request")
         return entry[1]
 
-    def put(self, req: Request, outcome: dict[str, Any]) -> None:
-        self._entries[req.id] = (fingerprint(req), outcome)
+    def put(self, req: Request, outcome: dict[str, Any], who: str = "") -> None:
+        self._entries[who, req.id] = (fingerprint(req), outcome)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
 
