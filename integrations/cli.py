@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 import anyio
@@ -120,6 +121,8 @@ def _version() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.registry and (args.key or args.server_key):
+        _client_keys(args)  # the trainer's client and its replica processes read them from the environment
     if args.replica:  # one of the demo's replica processes, started by its trainer
         from weightpull.integrations.demo import replica_main
 
@@ -196,25 +199,139 @@ def _address(args: argparse.Namespace) -> str | None:
     return args.registry or os.environ.get(REGISTRY_ENV) or None
 
 
+def _client_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The client options of --key/--server-key and --secret-file, for connect_registry.
+    The keys also go into the environment, for what this command starts or hands them to
+    ($WEIGHTPULL_KEY, $WEIGHTPULL_SERVER_KEY), as if they had been set there."""
+    try:
+        from weightpull.drivers.zmq_registry.keys import KEY_ENV, SERVER_KEY_ENV
+        from weightpull.drivers.zmq_registry.wire import SECRET_ENV, load_secret
+    except ImportError as exc:
+        raise _needs("service", "a served registry's client", exc) from None
+    key, server_key = getattr(args, "key", None), getattr(args, "server_key", None)
+    if key:
+        os.environ[KEY_ENV] = key
+    if server_key:
+        os.environ[SERVER_KEY_ENV] = server_key
+    options: dict[str, Any] = {}
+    secret_file = getattr(args, "secret_file", None)
+    if secret_file and not os.environ.get(KEY_ENV):  # $WEIGHTPULL_SECRET alone: the server says it, once
+        _say(
+            f"warning: --secret-file (a shared secret, as ${SECRET_ENV}) is deprecated and goes in a later "
+            f"release: pass --key and --server-key (or set ${KEY_ENV} and ${SERVER_KEY_ENV})"
+        )
+    if secret_file and not key:
+        options["secret"] = load_secret(secret_file)
+    if key:
+        options["key"] = key
+    if server_key:
+        options["server_key"] = server_key
+    return options
+
+
+def _keys(args: argparse.Namespace) -> int:
+    try:
+        from weightpull.drivers.zmq_registry import keys
+    except ImportError as exc:
+        raise _needs("service", "weightpull keys", exc) from None
+    if args.keys_command == "new":
+        public, secret = keys.new(args.dir, args.role, args.name)
+        if args.json:
+            print(json.dumps({"role": args.role, "name": args.name, "public": str(public), "secret": str(secret)}))
+        else:
+            print(f"{args.role} {args.name}: public key {public}, secret key {secret} (mode 0600)")
+            give = (
+                "the server's --server-key; give the public one to every client"
+                if args.role == "server"
+                else "the client's --key ($WEIGHTPULL_KEY); the public one goes in the server's --keys directory"
+            )
+            print(f"  the secret file is {give}")
+        return 0
+    if args.keys_command == "revoke":
+        moved = keys.revoke(args.dir, args.name)
+        if args.json:
+            print(json.dumps({"revoked": args.name, "moved": [str(p) for p in moved]}))
+        else:
+            print(f"revoked {args.name}: moved {', '.join(str(p) for p in moved)}")
+            print("  a server serving this directory refuses the key from its next request on")
+        return 0
+    rows = [
+        {
+            "name": c.name,
+            "role": c.role,
+            "public_key": c.public.decode(),
+            "secret": (c.path.with_suffix(keys.SECRET_SUFFIX)).exists(),
+            "revoked": revoked,
+        }
+        for c, revoked in keys.listing(args.dir)
+    ]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print(f"no keys in {args.dir} (`weightpull keys new --role ROLE --name NAME --dir {args.dir}` makes one)")
+        return 0
+    table = [["NAME", "ROLE", "PUBLIC KEY", "SECRET HERE", "STATE"]]
+    table += [
+        [
+            r["name"],
+            r["role"],
+            r["public_key"][:12] + "...",
+            "yes" if r["secret"] else "no",
+            "revoked" if r["revoked"] else "authorized" if r["role"] != "server" else "server",
+        ]
+        for r in rows
+    ]
+    print("\n".join(_table(table)))
+    return 0
+
+
 def _registry_serve(args: argparse.Namespace) -> int:
     try:
         from weightpull.drivers.zmq_registry.server import DEFAULT_BIND, RegistryServer, run_server
         from weightpull.drivers.zmq_registry.wire import SECRET_ENV, load_secret
     except ImportError as exc:
         raise _needs("service", "serving the registry", exc) from None
-    secret = load_secret(args.secret_file)
-    server = RegistryServer(
-        args.bind or DEFAULT_BIND, secret=secret, metrics_port=args.metrics_port, metrics_host=args.metrics_host
-    )
+    keyed = bool(args.keys or args.server_key)
+    secret = None if keyed or args.insecure_dev else load_secret(args.secret_file)
+    if keyed and not (args.keys and args.server_key):
+        raise UsageError("--keys DIR and --server-key FILE go together: the clients' keys and the server's own")
+    if not (keyed or secret or args.insecure_dev):
+        raise UsageError(
+            "say how clients authenticate: --keys DIR --server-key FILE (`weightpull keys new` makes them), "
+            "or --insecure-dev for development on loopback (no authentication; every client is admin)"
+        )
+    if keyed and (args.insecure_dev or args.secret_file):
+        raise UsageError("--keys/--server-key, --secret-file and --insecure-dev are three ways: pass one")
+    if args.insecure_dev and args.secret_file:
+        raise UsageError("--secret-file and --insecure-dev are two ways to authenticate clients: pass one")
+    with warnings.catch_warnings():  # said once below, as a warning line
+        warnings.simplefilter("ignore", DeprecationWarning)
+        server = RegistryServer(
+            args.bind or DEFAULT_BIND,
+            keys=args.keys,
+            server_key=args.server_key,
+            insecure_dev=args.insecure_dev,
+            secret=secret,
+            liveness_ttl=args.liveness_ttl,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+        )
     listening = False
 
     def ready(endpoint: str) -> None:
         nonlocal listening
         listening = True
-        if secret is None:
+        if server.mode == "dev":
             _say(
-                f"warning: no secret (${SECRET_ENV} or --secret-file): serving on loopback only, and any "
-                "local process can publish, lease and read state"
+                "warning: --insecure-dev: no authentication and no encryption, on loopback only; any "
+                "local process can publish, lease and read state, as admin"
+            )
+        elif server.mode == "secret":
+            _say(
+                f"warning: a shared secret (${SECRET_ENV} or --secret-file) is deprecated and goes in a later "
+                "release: every holder acts as admin; give each client a key (`weightpull keys new`) and "
+                "serve with --keys DIR --server-key FILE"
             )
         metrics = {"metrics": server.metrics_url} if server.metrics_url else {}
         if args.json:  # the ready line for programs: one JSON object
@@ -323,8 +440,9 @@ def _bench_registry(args: argparse.Namespace) -> int:
         return anyio.run(lambda: registry.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
 
     address = _address(args)
+    _client_keys(args)  # a key reaches the bench's clients through the environment
     if address:
-        result = measure(address, load_secret(args.secret_file))
+        result = measure(address, None if args.key else load_secret(args.secret_file))
     else:
         with registry.own_server() as (address, secret):
             anyio.run(registry.publish_one, address, secret)
@@ -378,10 +496,10 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) of each table `status` shows, plain or live. Publishers are
-    seen through their versions: the newest each began, its state and age (a WRITING
-    version that keeps ageing is a publisher stuck or gone). A liveness lease of their own
-    comes with principals (issue 13)."""
+    """(title, header, rows) of each table `status` shows, plain or live: each publisher's
+    newest version (its state, age and how long its liveness has left), every version with
+    the reason it was aborted or withdrawn, the live leases, what each replica serves, and
+    each principal's liveness (how long until the registry takes it for dead)."""
     versions = [
         [
             f"v{v.version}",
@@ -398,12 +516,22 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
     leases = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
     serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
     newest = {v.publisher: v for v in sorted(status.versions, key=lambda v: v.version)}
-    publishers = [[name, f"v{v.version}", str(v.state), f"{v.age:.1f} s"] for name, v in sorted(newest.items())]
+    alive = status.alive
+
+    def liveness(name: str) -> str:
+        left = alive.get(name.split("/", 1)[0])
+        return "-" if left is None else f"{left:.1f} s left" if left > 0 else "LAPSED"
+
+    publishers = [
+        [name, f"v{v.version}", str(v.state), f"{v.age:.1f} s", liveness(name)] for name, v in sorted(newest.items())
+    ]
+    principals = [[name, f"{left:.1f} s" if left > 0 else "LAPSED"] for name, left in sorted(alive.items())]
     return [
-        ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE"], publishers),
+        ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE", "ALIVE"], publishers),
         ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
         ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
         ("serving", ["REPLICA", "VERSION"], serving),
+        ("liveness", ["PRINCIPAL", "ALIVE FOR"], principals),
     ]
 
 
@@ -425,15 +553,15 @@ def _status(args: argparse.Namespace) -> int:
     if args.watch and args.json:
         raise UsageError("--watch draws a live table and --json prints one object: pass one")
     try:
-        from weightpull.drivers.zmq_registry.wire import load_secret
-
         address = _status_address(args)
     except ImportError as exc:
         raise _needs("service", "status", exc) from None
-    secret = load_secret(args.secret_file)
+    options = _client_keys(args)
 
     async def read(show: Any) -> None:
-        reg = connect_registry(address, secret=secret, retry_for=args.timeout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reg = connect_registry(address, retry_for=args.timeout, **options)
         try:
             while True:
                 show(await reg.status(), reg.epoch)
@@ -624,9 +752,79 @@ def _bench_parser(sub: Any) -> None:
     registry.add_argument(
         "--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)"
     )
-    registry.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    _key_arguments(registry)
     registry.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     registry.set_defaults(func=_bench_registry)
+
+
+def _key_arguments(p: argparse.ArgumentParser) -> None:
+    """--key and --server-key of a client command, and the deprecated --secret-file."""
+    p.add_argument(
+        "--key",
+        metavar="FILE",
+        help="this client's secret certificate, NAME.key_secret from `weightpull keys new`; the client "
+        "acts as the principal it names (default: $WEIGHTPULL_KEY; without one, no key: a server in "
+        "--insecure-dev mode takes it as admin)",
+    )
+    p.add_argument(
+        "--server-key",
+        metavar="FILE",
+        help="the server's public certificate, the .key of the pair given to `registry serve --server-key` "
+        "(default: $WEIGHTPULL_SERVER_KEY)",
+    )
+    p.add_argument(
+        "--secret-file",
+        help="deprecated: a file holding the shared secret of earlier releases (default: $WEIGHTPULL_SECRET)",
+    )
+
+
+def _keys_parser(sub: Any) -> None:
+    keys = sub.add_parser(
+        "keys",
+        help="make, list and revoke the CURVE keys of a served registry's principals",
+        description="Each client of a served registry authenticates with a key pair of its own, "
+        "made here as ZeroMQ certificate files naming its principal: a role (publisher, reader, "
+        "admin; or server, for the server's own pair) and a name. The public NAME.key goes in the "
+        "directory the server serves with --keys; the secret NAME.key_secret (mode 0600) to the "
+        "client alone (docs/registry-service.md).",
+    )
+    ksub = keys.add_subparsers(dest="keys_command", required=True)
+    new = ksub.add_parser(
+        "new",
+        help="write a key pair for one principal: DIR/NAME.key and DIR/NAME.key_secret",
+        description="Write a CURVE key pair for `ROLE NAME`: DIR/NAME.key (public) and "
+        "DIR/NAME.key_secret (secret, mode 0600), both naming the principal in their metadata. "
+        "Refuses to overwrite a file, and a name DIR already holds (or revoked) under any role.",
+    )
+    new.add_argument("--role", required=True, choices=("publisher", "reader", "admin", "server"), help="its role")
+    new.add_argument(
+        "--name",
+        required=True,
+        help="its name: 1-64 letters, digits, '.', '_' or '-'; a publisher writes versions under it, "
+        "a reader holds leases and reports serving under it (and under NAME/...)",
+    )
+    new.add_argument("--dir", default=".", help="where the files go (default: the current directory)")
+    new.add_argument("--json", action="store_true", help="print the paths as one JSON object")
+    listing = ksub.add_parser(
+        "list",
+        help="the keys in DIR and DIR/revoked/, with each one's principal",
+        description="List the public certificates in DIR (authorized, as a server serving DIR "
+        "sees them) and in DIR/revoked/.",
+    )
+    listing.add_argument("--dir", default=".", help="the keys directory (default: the current directory)")
+    listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    revoke = ksub.add_parser(
+        "revoke",
+        help="move NAME's certificates to DIR/revoked/: a server serving DIR refuses that key at once",
+        description="Move DIR/NAME.key (and NAME.key_secret, if there) into DIR/revoked/. A "
+        "server serving DIR with --keys refuses the key from its next request on, including on "
+        "connections made before.",
+    )
+    revoke.add_argument("--name", required=True, help="the principal's name")
+    revoke.add_argument("--dir", default=".", help="the keys directory (default: the current directory)")
+    revoke.add_argument("--json", action="store_true", help="print what moved as one JSON object")
+    for p in (new, listing, revoke):
+        p.set_defaults(func=_keys)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -676,6 +874,12 @@ def parser() -> argparse.ArgumentParser:
         help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else one in the "
         "trainer's process, served on loopback to replica processes)",
     )
+    demo.add_argument("--key", metavar="FILE", help="with --registry: the client's key (default: $WEIGHTPULL_KEY)")
+    demo.add_argument(
+        "--server-key",
+        metavar="FILE",
+        help="with --registry: the server's public key (default: $WEIGHTPULL_SERVER_KEY)",
+    )
     demo.add_argument("--replica", help=argparse.SUPPRESS)  # SPEC: run as a replica process of the demo
     demo.set_defaults(func=_demo)
 
@@ -684,6 +888,7 @@ def parser() -> argparse.ArgumentParser:
     drivers.set_defaults(func=_drivers)
 
     _bench_parser(sub)
+    _keys_parser(sub)
 
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ")
     rsub = registry.add_subparsers(dest="registry_command", required=True)
@@ -692,10 +897,13 @@ def parser() -> argparse.ArgumentParser:
         help="serve a registry to publishers and replicas in other processes and hosts",
         description="Serve the registry over ZeroMQ until SIGINT or SIGTERM. Once it listens it "
         "prints one line on stdout: 'weightpull registry listening on ENDPOINT (run RUN)', or with "
-        '--json one JSON object, {"listening": ENDPOINT, "run": RUN, "pid": PID}. Requests '
-        "and replies are signed with the secret from $WEIGHTPULL_SECRET or --secret-file; without "
-        "one it serves loopback addresses only. State lives in memory: after a restart, clients "
-        "re-announce what they stand by (docs/registry-service.md).",
+        '--json one JSON object, {"listening": ENDPOINT, "run": RUN, "pid": PID}. With --keys and '
+        "--server-key, traffic is encrypted (CURVE) and each client authenticates with its own key "
+        "as the principal its certificate names; keys added to or revoked from DIR take effect while "
+        "it runs. --insecure-dev serves loopback only, unauthenticated. A principal not heard from for "
+        "--liveness-ttl seconds is taken for dead: its versions being written end ABORTED and its "
+        "READY one is withdrawn. State lives in memory: after a restart, clients re-announce what "
+        "they stand by (docs/registry-service.md).",
     )
     serve.add_argument(
         "--bind",
@@ -703,7 +911,33 @@ def parser() -> argparse.ArgumentParser:
         help="ZeroMQ endpoint to listen on, tcp://HOST:PORT or ipc://PATH "
         "(default: tcp://127.0.0.1:5555, where status looks by default; port 0 picks a free one)",
     )
-    serve.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    serve.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="the directory of the clients' public certificates (`weightpull keys new`): only these keys "
+        "are admitted, each as the principal its certificate names; watched while serving",
+    )
+    serve.add_argument(
+        "--server-key", metavar="FILE", help="the server's secret certificate (`weightpull keys new --role server`)"
+    )
+    serve.add_argument(
+        "--insecure-dev",
+        action="store_true",
+        help="development only: no authentication and no encryption, every client an admin; "
+        "refuses to bind anything but loopback addresses",
+    )
+    serve.add_argument(
+        "--liveness-ttl",
+        type=_positive,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a principal not heard from stays alive; clients' heartbeats renew it every second (default: 10)",
+    )
+    serve.add_argument(
+        "--secret-file",
+        help="deprecated: serve with the shared secret of earlier releases, every holder an admin "
+        "(default: $WEIGHTPULL_SECRET)",
+    )
     serve.add_argument("--json", action="store_true", help="print the ready line (and any error) as one JSON object")
     serve.add_argument(
         "--metrics-port",
@@ -718,17 +952,18 @@ def parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser(
         "status",
-        help="a served registry's publishers, versions, live leases and what each replica serves",
-        description="Read a served registry's publishers (each one's newest version, its state "
-        "and age), versions, live leases and the version each replica reports serving. A "
-        "publisher's liveness lease is not shown: the registry does not hold one yet.",
+        help="a served registry's publishers, versions, live leases, what each replica serves and who is alive",
+        description="Read a served registry's publishers (each one's newest version, its state, "
+        "age and liveness), versions (with the reason one was aborted or withdrawn), live leases, "
+        "the version each replica reports serving, and how long each principal's liveness has "
+        "left before the registry takes it for dead.",
     )
     status.add_argument(
         "--registry",
         help="address of the served registry (default: $WEIGHTPULL_REGISTRY, else "
         "tcp://127.0.0.1:5555, where `registry serve` binds by default)",
     )
-    status.add_argument("--secret-file", help="file holding the shared secret (default: $WEIGHTPULL_SECRET)")
+    _key_arguments(status)
     status.add_argument(
         "--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)"
     )
