@@ -99,10 +99,14 @@ def test_with_json_the_error_is_also_a_json_object_on_stdout(args):
     assert f"error: {error['message']}" == line
 
 
-def test_the_registry_without_a_secret_refuses_a_public_address():
-    proc = run("registry", "serve", "--bind", "tcp://0.0.0.0:0", secret=None)
+def test_the_registry_asks_how_clients_authenticate_and_dev_mode_refuses_a_public_address():
+    proc = run("registry", "serve", secret=None)
+    assert proc.returncode == 2 and "say how clients authenticate: --keys DIR --server-key FILE" in one_error_line(proc)
+    proc = run("registry", "serve", "--insecure-dev", "--bind", "tcp://0.0.0.0:0", secret=None)
     assert proc.returncode == 2
-    assert "refusing to serve on tcp://0.0.0.0:0 without a secret" in one_error_line(proc)
+    assert "refusing to serve on tcp://0.0.0.0:0 without authentication" in one_error_line(proc)
+    proc = run("registry", "serve", "--insecure-dev", "--keys", "k", "--server-key", "k/s", secret=None)
+    assert proc.returncode == 2 and "pass one" in one_error_line(proc)
 
 
 @pytest.mark.skipif(not UNAVAILABLE, reason="every driver loads here")
