@@ -131,12 +131,21 @@ def test_a_wrong_envelope_is_refused_naming_the_field(change, words):
         ("begin", {"version": 2**63, "publisher": "p", "slot": 0}, "version must be"),
         ("begin", {"version": 1, "publisher": ["p"], "slot": 0}, "publisher must be a string"),
         ("renew", {"lease": "l-1"}, "lease must be an object"),
+        ("keepalive", {"names": "trainer"}, "names must be a list of at most 1024 names"),
+        ("keepalive", {"names": [1]}, "names\\[0\\] must be a string"),
+        ("begin", {"version": "1", "publisher": "p", "slot": 0}, "version must be"),
     ],
 )
 def test_wrong_arguments_are_refused_naming_them(op, args, words):
     with pytest.raises(MalformedMessageError, match=words) as info:
         wire.check_args(request(op, args))
     assert isinstance(info.value, InvalidArgumentError)  # as an embedded registry's refusal is
+
+
+def test_keepalive_and_a_numberless_begin_are_on_the_wire():
+    assert wire.check_args(request("keepalive", {"names": ["trainer", "replica-0/rank1"]})) is wire.OPS["keepalive"]
+    assert not wire.OPS["keepalive"].mutates
+    wire.check_args(request("begin", {"version": None, "publisher": "p", "slot": 0}))  # the registry picks
 
 
 def test_every_operation_of_the_registry_is_on_the_wire():
@@ -193,6 +202,7 @@ def test_reply_cache_answers_a_retry_and_refuses_a_reused_id():
     assert cache.get(req.retry("e1")) == {"ok": True, "result": 1}
     with pytest.raises(MalformedMessageError, match="already used for a different request"):
         cache.get(request(args={"version": 3, "ttl": 5.0, "holder": "h"}))
+    assert cache.get(req, "reader replica-0") is None  # one principal's ids are not another's
     cache.put(wire.Request("r2", "ping", {}, "e1"), {"ok": True})
     cache.put(wire.Request("r3", "ping", {}, "e1"), {"ok": True})
     assert len(cache) == 2 and cache.get(req) is None
