@@ -38,7 +38,7 @@ from .registry import Registry, StreamingRegistry
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
-from .tensors import TensorAdapter, adapter_for, normalize_dtype
+from .tensors import TensorAdapter, adapter_for, landing, normalize_dtype
 from .transport import Region, Transport
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class Publisher:
         self.last_version = version
         try:
             items, adapter, (layout, rows, packed) = prepared or self._prepare(tensors, shard)
-            region = self._fit(slot, packed.total_bytes)
+            region = await self._fit(slot, packed.total_bytes)
             parts = (
                 ()
                 if shard is None
@@ -321,14 +321,26 @@ class Publisher:
                     sent = landed
                     await registry.mark(manifest.version, sent)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(marker)
-            for bucket in sorted(by_bucket):
-                await adapter.write(by_bucket[bucket], region)
-                await adapter.fence()
+        # Copies are queued as fast as the adapter takes them; each bucket is marked once
+        # its own copy landed (an adapter without `landing` is fenced bucket by bucket).
+        issued, settled = anyio.create_memory_object_stream[tuple[int, Any]](len(by_bucket))
+
+        async def settle() -> None:
+            nonlocal landed
+            async for bucket, wait in settled:
+                await (adapter.fence() if wait is None else wait())
                 landed = bucket + 1
                 moved.set()
-            tg.cancel_scope.cancel()  # the commit tells readers the rest
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(marker)
+            async with anyio.create_task_group() as copies:
+                copies.start_soon(settle)
+                async with issued:
+                    for bucket in sorted(by_bucket):
+                        await adapter.write(by_bucket[bucket], region)
+                        issued.send_nowait((bucket, landing(adapter)))
+            tg.cancel_scope.cancel()  # every bucket landed; the commit tells readers the rest
 
     def _prepare(
         self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
@@ -384,15 +396,37 @@ class Publisher:
             self._plans = (what, plan)
         return self._plans[1]
 
-    def _fit(self, slot: _Slot, nbytes: int) -> Region:
+    async def reserve(self, tensors: Iterable[TensorSpec] | int, *, shard: Sharding | None = None) -> None:
+        """Allocate, pin and register every slot now, for versions of these tensors (or of
+        this many bytes), so that the first publish is as quick as the rest. It runs in a
+        worker thread: page-locking and registering gigabytes takes seconds, and the event
+        loop meanwhile keeps the registry's heartbeat going. Publishing reserves what it
+        must by itself, the same way; a model that outgrows the slots re-registers them."""
+        if isinstance(tensors, int):
+            nbytes = tensors
+        else:
+            nbytes = self._plan(list(tensors), shard)[2].total_bytes
+        for slot in self.slots:
+            if slot.state is not SlotState.WRITING:
+                await self._fit(slot, nbytes)
+
+    async def _fit(self, slot: _Slot, nbytes: int) -> Region:
         """The slot's memory, registered once; again only if the model outgrew it."""
         if slot.region is not None and slot.region.nbytes >= nbytes:
             return slot.region
         if slot.region is not None:
             self.transport.deregister(slot.region)
-        slot.region = self.transport.allocate(nbytes, self.device)
-        slot.descriptor = self.transport.export(slot.region)
-        return slot.region
+            slot.region = None
+
+        def allocate() -> tuple[Region, bytes]:
+            region = self.transport.allocate(nbytes, self.device)
+            return region, self.transport.export(region)
+
+        region, slot.descriptor = (
+            await anyio.to_thread.run_sync(allocate) if self.transport.slow_allocate else allocate()
+        )
+        slot.region = region
+        return region
 
     async def _take_slot(self, version: int | None) -> _Slot | None:
         what = "the next version" if version is None else f"v{version}"

@@ -9,8 +9,8 @@ slot, then fences. `HostTensor` is the framework-free form; torch tensors go thr
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, cast
 
 import anyio.lowlevel
 import attrs
@@ -43,6 +43,14 @@ class TensorAdapter(Protocol):
 
     async def fence(self) -> None:
         """Return once every copy `write` issued has landed."""
+
+
+def landing(adapter: TensorAdapter) -> Callable[[], Awaitable[None]] | None:
+    """What waits for the copies `adapter` issued so far, and no later ones: an adapter's
+    `landing()` if it has one (a CUDA event recorded now), so that a streaming publisher
+    can queue every bucket's copy and mark each as it lands; else None (then `fence`)."""
+    method = getattr(adapter, "landing", None)
+    return None if method is None else cast(Callable[[], Awaitable[None]], method())
 
 
 @attrs.frozen

@@ -52,6 +52,10 @@ class Transport(ABC):
     # Reads land in GPU memory at device speed by the driver's own means. A puller keeps a
     # GPU mirror of any other driver's reads through pinned host memory (`HostStaged`).
     reads_into_gpu: ClassVar[bool] = False
+    # `allocate` may take seconds (page-locking, registering gigabytes): publishers and
+    # pullers call it in a worker thread, off the event loop. A driver whose allocation is
+    # instant (the fake one) says False, and keeps fake-clock runs deterministic.
+    slow_allocate: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -148,6 +152,10 @@ class WrappedTransport(Transport):
     @property  # a class attribute of drivers; a wrapper's is its inner driver's
     def reads_into_gpu(self) -> bool:  # type: ignore[override]
         return self.inner.reads_into_gpu
+
+    @property
+    def slow_allocate(self) -> bool:  # type: ignore[override]
+        return self.inner.slow_allocate
 
     def allocate(self, nbytes: int, device: str = "cpu") -> Region:
         return self.inner.allocate(nbytes, device)

@@ -68,6 +68,7 @@ FakeFaults = Faults  # the fake's knobs: the faults any driver can be wrapped in
 
 class FakeTransport(Transport):
     name = "fake"
+    slow_allocate = False  # a bytearray: instant, and fake-clock runs stay deterministic
 
     def __init__(
         self,

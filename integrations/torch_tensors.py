@@ -4,7 +4,7 @@ of a mirror as tensors. The only module of the core's path that imports torch.""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import torch
@@ -74,6 +74,18 @@ class TorchAdapter:
         pending, self._pending = self._pending, []
         for event in pending:
             await anyio.to_thread.run_sync(event.synchronize)
+
+    def landing(self) -> Callable[[], Awaitable[None]]:
+        """What waits for the copies issued so far (the last one's event), and no later:
+        a streaming publisher marks each bucket once its own copies landed."""
+        pending, self._pending = self._pending, []  # one stream: the last event lands last
+        last = pending[-1] if pending else None
+
+        async def wait() -> None:
+            if last is not None:
+                await anyio.to_thread.run_sync(last.synchronize)
+
+        return wait
 
 
 # -- fingerprints: is this the same bytes, wherever it lives --------------------------------
