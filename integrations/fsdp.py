@@ -140,6 +140,7 @@ class FSDPPublisher:
                 rollout_dtype=rollout_dtype,
                 name=name,
                 close_registry=owns_registry,
+                sharding=self.sharding,
                 **options,
             )
         )

@@ -18,7 +18,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import anyio.from_thread
@@ -26,7 +26,7 @@ import attrs
 import torch
 
 from weightpull.errors import InvalidArgumentError, PublishError, WeightpullError
-from weightpull.layout import TensorSpec, plan_layout
+from weightpull.layout import Placement, TensorSpec, plan_layout
 from weightpull.publisher import Publisher, PublishResult
 from weightpull.registry import Registry, connect_registry
 from weightpull.sharding import Sharding
@@ -75,6 +75,39 @@ class Ticket:
     def result(self, timeout: float | None = None) -> PublishResult | None:
         """Wait for the announcement; its result, or its error."""
         return None if self.future is None else self.future.result(timeout)
+
+
+class _Landed:
+    """The adapter of one streaming publish: the trainer's own, which also resolves
+    `copied` once the last of `count` tensors' copies landed."""
+
+    def __init__(self, inner: TorchAdapter, count: int, copied: concurrent.futures.Future[None]) -> None:
+        self.inner, self.left, self.copied = inner, count, copied
+
+    def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items: Sequence[tuple[torch.Tensor, Placement]], region: Region) -> None:
+        await self.inner.write(items, region)
+        self.left -= len(items)
+
+    async def fence(self) -> None:
+        await self.inner.fence()
+        self._done()
+
+    def landing(self) -> Callable[[], Awaitable[None]]:
+        wait, last = self.inner.landing(), self.left == 0
+
+        async def landed() -> None:
+            await wait()
+            if last:
+                self._done()
+
+        return landed
+
+    def _done(self) -> None:
+        if self.left == 0 and not self.copied.done():
+            self.copied.set_result(None)
 
 
 class Staging:
@@ -134,10 +167,15 @@ class SnapshotPublisher:
         rollout_dtype: Any = "bfloat16",
         transport_options: dict[str, Any] | None = None,
         close_registry: bool = False,
+        stream: bool = False,
+        sharding: Sharding | None = None,
         **publisher_options: Any,
     ) -> None:
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
-        self.staging = Staging([attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in specs], device)
+        self.specs = [attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in specs]
+        self.device = torch.device(device)
+        self.stream = stream
+        self._staging: Staging | None = None
         self.blocking = BlockingTime()
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -151,22 +189,34 @@ class SnapshotPublisher:
             transport = create_transport(transport, **(transport_options or {}))
             self._owned.append(transport)
         # Copies out of staging on a side stream: queued behind none of the trainer's kernels.
-        stream = torch.cuda.Stream(self.staging.device) if self.staging.device.type == "cuda" else None
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._adapter = TorchAdapter(side)
         self.publisher = Publisher(
             registry,
             transport,
             rollout_dtype=self.rollout_dtype,
-            adapter=TorchAdapter(stream),
+            adapter=self._adapter,
             device=slot_device,
+            stream=stream,
             **publisher_options,
         )
         self._serving = self._portal.start_task_soon(self.publisher.serve)  # peers' reads may need our progress
+        # The slots now, off the trainer's first step: page-locking them takes seconds.
+        self._portal.call(functools.partial(self.publisher.reserve, self.specs, shard=sharding))
         self._last: Ticket | None = None
         self._reported: Ticket | None = None  # whose failure was logged
 
     @property
     def name(self) -> str:
         return self.publisher.name
+
+    @property
+    def staging(self) -> Staging:
+        """The staging buffer, allocated at first use (a streaming publish of whole
+        versions needs none: it casts straight into the slot)."""
+        if self._staging is None:
+            self._staging = Staging(self.specs, self.device)
+        return self._staging
 
     def publish(
         self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, shard: Sharding | None = None
@@ -175,6 +225,15 @@ class SnapshotPublisher:
         With `shard`, they are this rank's part of a sharded version."""
         started = time.perf_counter()
         self.wait()
+        if self.stream and shard is None:
+            items = list(tensors)
+            try:
+                self._check(items)
+            except InvalidArgumentError as exc:
+                self._portal.call(self._abort, version, repr(exc), (0, 1))
+                raise
+            return self._publish_streaming(version, items, started)
+        self.publisher.adapter = self._adapter
         try:
             self.staging.fill(tensors)
         except BaseException as exc:
@@ -186,6 +245,38 @@ class SnapshotPublisher:
             raise
         publish = functools.partial(self.publisher.publish, version, self.staging.items(), shard=shard)
         ticket = Ticket(version, time.perf_counter() - started, self._portal.start_task_soon(publish))
+        self.blocking.add(ticket.blocking_s)
+        self._last = ticket
+        return ticket
+
+    def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """The tensors a streaming publish passes are those it was made for, as the
+        staging buffer insists for the others."""
+        got = [spec_of(n, t, self.rollout_dtype) for n, t in items]
+        if got != self.specs:
+            wrong = sorted({s.name for s in got} ^ {s.name for s in self.specs}) or [
+                g.name for g, w in zip(got, self.specs, strict=False) if g != w
+            ]
+            raise InvalidArgumentError(f"publish passed tensors other than those it was made for: {wrong[:5]}")
+
+    def _publish_streaming(self, version: int, items: list[tuple[str, torch.Tensor]], started: float) -> Ticket:
+        """Cast straight into a slot, bucket by bucket, while readers stream behind; return
+        once every copy landed (the trainer may then change the tensors), leaving the
+        commit to the background loop."""
+        if self.device.type == "cuda":  # the side stream's casts follow the trainer's work on these tensors
+            assert self._adapter.stream is not None
+            self._adapter.stream.wait_stream(torch.cuda.current_stream(self.device))
+        copied: concurrent.futures.Future[None] = concurrent.futures.Future()
+        adapter = _Landed(self._adapter, len(items), copied)
+        self.publisher.adapter = adapter
+        publish = functools.partial(self.publisher.publish, version, items)
+        future = self._portal.start_task_soon(publish)
+        concurrent.futures.wait([future, copied], return_when=concurrent.futures.FIRST_COMPLETED)
+        if future.done() and future.exception() is not None:
+            self.publisher.adapter = self._adapter
+            exc = future.exception()
+            raise exc if isinstance(exc, WeightpullError) else PublishError(f"publishing v{version} failed: {exc!r}")
+        ticket = Ticket(version, time.perf_counter() - started, future)
         self.blocking.add(ticket.blocking_s)
         self._last = ticket
         return ticket
