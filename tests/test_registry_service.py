@@ -234,6 +234,7 @@ async def test_publish_and_pull_across_processes(server):
         assert_pulled(await p.pull(), 5)
         await p.registry.report_serving(p.holder, 5)
 
+    await publisher.registry.keepalive((publisher.name,))  # what its heartbeat sends every second
     shown = await anyio.to_thread.run_sync(lambda: cli("status", "--registry", server.address, "--json"))
     assert shown.returncode == 0, shown.stderr
     status = json.loads(shown.stdout)
