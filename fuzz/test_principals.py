@@ -1,0 +1,516 @@
+"""Principals at the registry: two publishers, three readers and an admin act at random on
+one `RegistryMachine` on a fake clock that passes the liveness TTL, so principals lapse
+and come back. Besides their own work they try hostile acts: another's version retired,
+reclaimed, aborted or committed, another's lease (its id read from `status`) renewed or
+released, a lease or a serving report under another's name, numbers begun far ahead or
+onto numbers others ask, shard tombstones far ahead.
+
+Each step is one plain call. The machine takes `status` before and after it and holds
+every difference to who acted (`Machine.explain`): nobody changes another principal's
+versions, leases or reports, except as the protocol itself does (a newer announcement
+retires the previous newest READY and supersedes unfinished sharded versions; a
+principal's lapse ends its versions and its reports). A refused act raises
+`PermissionDeniedError` and changes nothing. After every step: the model's leases and
+liveness agree with the registry's, a reader's live lease is valid, and no version of a
+lapsed publisher is WRITING or READY.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from weightpull import FakeClock, Manifest, TensorSpec, VersionState, WeightpullError, plan_layout
+from weightpull.errors import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    VersionInUseError,
+    VersionOrderError,
+    VersionStateError,
+)
+from weightpull.principals import Principal, root
+from weightpull.records import Lease, RegistryStatus
+from weightpull.registry import RegistryMachine
+from weightpull.registry_machine import MAX_VERSION, MAX_VERSION_JUMP
+
+from .harness import note
+from .profiles import example, fuzz
+
+LIVE = 10.0  # the registry's liveness TTL
+MAX_TTL = 30.0
+PUBLISHERS = ("pub-a", "pub-b")
+READERS = ("rd-0", "rd-1", "rd-2")
+PRINCIPALS = {
+    **{n: Principal.publisher(n) for n in PUBLISHERS},
+    **{n: Principal.reader(n) for n in READERS},
+    "admin": Principal.admin(),
+}
+ACTORS = sorted(n for n in PRINCIPALS if n != "admin")
+LAYOUT = plan_layout([TensorSpec("w", "uint8", (4,))])
+ALIVE_STATES = (VersionState.WRITING, VersionState.STREAMING, VersionState.READY)
+
+# Defects found here and shown by tests/test_authority_regressions.py (xfail until fixed in
+# the core): the machine steers around each named here, so that the CI profile stays green
+# and keeps finding anything new. Remove a name once its fix lands.
+AWAITING_FIX = {
+    "tombstone-numbering",  # a shard tombstone takes any number asked: MAX_VERSION (a lockout), or a used one
+    "lapse-once",  # a version begun (by an admin) for a lapsed publisher stays WRITING
+    "serving-comes-back",  # a lapsed reader's old report returns when it is heard from again
+    "shards-by-number",  # a shard joins its trainer's version *numbered* as the step it asks
+}
+
+half_seconds = st.integers(1, 3 * int(LIVE)).map(lambda n: n / 2)  # up to 1.5 liveness TTLs
+picks = st.integers(0, 1000)
+
+
+@attrs.frozen
+class Snap:
+    """What `status` says, keyed for comparing: versions (state, publisher, slot, reason),
+    live leases (version, holder, expires_in), serving reports and liveness."""
+
+    newest: int | None
+    versions: dict[int, tuple[VersionState, str, int, str]]
+    leases: dict[str, tuple[int, str, float]]
+    serving: dict[str, int]
+    alive: dict[str, float]
+
+    @classmethod
+    def of(cls, status: RegistryStatus) -> Snap:
+        return cls(
+            status.newest_ready,
+            {v.version: (v.state, v.publisher, v.slot, v.reason) for v in status.versions},
+            {x.id: (x.version, x.holder, x.expires_in) for x in status.leases},
+            dict(status.serving),
+            dict(status.alive),
+        )
+
+
+@attrs.define
+class LeaseModel:
+    lease: Lease
+    released: bool = False
+
+
+def pick(items, n: int):
+    items = sorted(items)
+    return items[n % len(items)] if items else None
+
+
+class PrincipalsMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.m = RegistryMachine(self.clock, max_ttl=MAX_TTL, liveness_ttl=LIVE)
+        self.heard: dict[str, float] = {}  # principal name -> when the registry last heard from it
+        self.leases: dict[str, LeaseModel] = {}
+        self.serving: dict[str, int] = {}
+        self.begun = -1  # the highest number any begin was given
+        self.announced = -1
+        self.steps = dict.fromkeys(PUBLISHERS, 0)  # each publisher's training step
+        self.sharded: dict[tuple[str, int], int] = {}  # (publisher, step asked) -> the number its shards got
+        self.rank_slots: dict[str, int] = {}  # the last slot each rank wrote
+        self.tombs: dict[int, str] = {}  # a shard's tombstone (no publisher yet) -> who left it
+        self.tomb_asked: dict[int, int] = {}
+        self.given_up: set[tuple[str, int]] = set()  # (publisher, step) a shard aborted by number
+        self.snap = self.look()
+
+    # -- the model's view ------------------------------------------------------------------
+
+    def look(self) -> Snap:
+        """`status` as an admin (which judges liveness first, and renews nobody's)."""
+        snap = Snap.of(self.m.status())
+        if "serving-comes-back" not in AWAITING_FIX:
+            for replica in [r for r in self.serving if self.dead(root(r))]:  # a lapsed reader's reports go
+                del self.serving[replica]
+        return snap
+
+    def dead(self, name: str) -> bool:
+        return name in self.heard and self.heard[name] + LIVE <= self.clock.now()
+
+    def hear(self, name: str) -> None:
+        self.heard[name] = self.clock.now()
+
+    def live_leases(self) -> dict[str, LeaseModel]:
+        now = self.clock.now()
+        return {i: x for i, x in self.leases.items() if not x.released and now < x.lease.expires_at}
+
+    def versions(self, owner: str | None = None, states=None) -> list[int]:
+        return [
+            v
+            for v, (state, publisher, _, _) in self.snap.versions.items()
+            if (owner is None or root(publisher) == owner) and publisher and (states is None or state in states)
+        ]
+
+    def free_slot(self, publisher: str) -> int:
+        held = {slot for _, p, slot, _ in self.snap.versions.values() if p == publisher}
+        return min(set(range(len(held) + 1)) - held)
+
+    # -- acting, and judging what changed --------------------------------------------------
+
+    def act(self, who: str, op: str, call: Callable[[Principal], Any], refused: bool = False) -> Any:
+        """`call(principal)` as `who`; then every change to the registry must be one that
+        `who` may make. Returns what it returned or the error it raised."""
+        by = PRINCIPALS[who]
+        before = self.snap
+        try:
+            outcome = call(by)
+        except PermissionDeniedError as exc:
+            assert refused, f"{by} was refused {op}: {exc}"
+            outcome = exc
+        except WeightpullError as exc:
+            assert not refused, f"{by} may not {op}, yet it was not refused: {exc!r}"
+            outcome = exc
+        else:
+            assert not refused, f"{by} was let {op}"
+        if not by.is_admin:
+            self.hear(who)
+        self.snap = self.look()
+        note(f"{'refused ' if refused else ''}{op}: {type(outcome).__name__}")
+        self.explain(before, self.snap, who, op, refused)
+        return outcome
+
+    def explain(self, before: Snap, after: Snap, who: str | None, op: str, refused: bool = False) -> None:
+        """Every difference between `before` and `after` is one `who` may make (None:
+        time passed, and only expiry and lapses may change anything)."""
+        by = PRINCIPALS.get(who) if who else None
+        admin = by is not None and by.is_admin
+        what = f"{who or 'time'}'s {op}" + (" (refused)" if refused else "")
+        now = self.clock.now()
+        announced = after.newest is not None and after.newest != before.newest
+        for v in sorted(before.versions.keys() | after.versions.keys()):
+            b, a = before.versions.get(v), after.versions.get(v)
+            if b == a:
+                continue
+            publisher = (a or b)[1]
+            owner = root(publisher) if publisher else self.tombs.get(v, "")
+            assert b is None or v != before.newest or a is not None, f"{what} reclaimed v{v}, the newest READY"
+            if by is not None and not refused and (admin or owner == who):
+                continue  # its own (or an admin's) act
+            if by is not None and refused and owner == who and a is None and self.was_dead(who, before):
+                continue  # a lapsed principal heard from again: its dead versions go
+            if not publisher and b is None and by is not None and not refused and op == "abort a shard by number":
+                continue  # a shard's tombstone (no publisher yet)
+            if announced and b is not None and a is not None:
+                if (b[0], a[0]) == (VersionState.READY, VersionState.RETIRED) and v == before.newest:
+                    continue  # retired by a newer announcement
+                if (b[0], a[0]) == (VersionState.WRITING, VersionState.ABORTED) and "superseded" in a[3]:
+                    continue  # an unfinished sharded version superseded
+            if announced and a is None and b is not None and not b[1] and v < after.newest:
+                continue  # a tombstone superseded
+            if by is None and self.dead(owner) and b is not None and a is not None:
+                if (b[0], a[0]) in (
+                    (VersionState.WRITING, VersionState.ABORTED),
+                    (VersionState.STREAMING, VersionState.ABORTED),
+                ):
+                    assert "lapsed" in a[3], f"v{v} of lapsed {owner} aborted without the reason: {a}"
+                    continue
+                if (b[0], a[0]) == (VersionState.READY, VersionState.RETIRED):
+                    assert "withdrawn" in a[3], f"v{v} of lapsed {owner} withdrawn without the reason: {a}"
+                    continue
+            raise AssertionError(f"{what} changed v{v} of {owner!r}: {b} -> {a}")
+        if before.newest is not None and after.newest != before.newest:
+            owner = root(before.versions[before.newest][1])
+            if after.newest is None:  # withdrawn: by its owner or an admin, or its owner lapsed
+                ok = (by is not None and not refused and op == "retire" and (admin or owner == who)) or (
+                    by is None and self.dead(owner)
+                )
+                assert ok, f"{what} withdrew v{before.newest}, the newest READY of {owner!r}, which lives"
+            else:
+                assert after.newest > before.newest, f"{what} made v{after.newest} the newest after v{before.newest}"
+        for lease_id, (version, holder, expires_in) in before.leases.items():
+            mine = by is not None and not refused and by.owns(holder)
+            if mine:
+                continue
+            if by is None:  # time passed: a lease ends only by expiring
+                if lease_id not in after.leases:
+                    assert self.leases[lease_id].lease.expires_at <= now, f"{what} ended {holder}'s lease early"
+                continue
+            assert after.leases.get(lease_id) == (version, holder, expires_in), (
+                f"{what} changed {holder}'s lease {lease_id}: {(version, holder, expires_in)} -> "
+                f"{after.leases.get(lease_id)}"
+            )
+        for lease_id, (_, holder, _) in after.leases.items():
+            if lease_id not in before.leases:
+                assert by is not None and not refused and by.owns(holder), f"{what} made a lease for {holder}"
+        for replica in before.serving.keys() | after.serving.keys():
+            b, a = before.serving.get(replica), after.serving.get(replica)
+            if b == a or (by is not None and not refused and by.owns(replica)):
+                continue
+            if by is None and a is None and self.dead(root(replica)):
+                continue  # a lapsed reader leaves serving
+            if (
+                "serving-comes-back" in AWAITING_FIX
+                and b is None
+                and root(replica) == who
+                and self.was_dead(who, before)
+            ):
+                continue
+            raise AssertionError(f"{what} changed {replica}'s serving report: {b} -> {a}")
+
+    def was_dead(self, name: str, before: Snap) -> bool:
+        return before.alive.get(name, 1.0) <= 0
+
+    # -- setup -----------------------------------------------------------------------------
+
+    @initialize()
+    def everyone_says_hello(self) -> None:
+        example()
+        for name in ACTORS:
+            self.act(name, "keepalive", lambda by: self.m.keepalive(by=by))
+
+    # -- publishers ------------------------------------------------------------------------
+
+    @rule(
+        who=st.sampled_from(PUBLISHERS),
+        ask=st.sampled_from(["none", "step", "taken", "near", "jump", "too-far", "last"]),
+        n=picks,
+        admin=st.integers(0, 9).map(lambda k: k == 0),
+    )
+    def begin(self, who: str, ask: str, n: int, admin: bool) -> None:
+        """A publisher (or an admin for it) begins a version into a free slot of its own,
+        asking for its next step, nothing, a number others took, or one far ahead."""
+        self.steps[who] += 1
+        admin = admin and ask not in ("too-far", "last")  # an admin may lock everyone out; not tried
+        if "lapse-once" in AWAITING_FIX and self.dead(who):
+            admin = False
+        following = self.begun + 1
+        asked = {
+            "none": None,
+            "step": self.steps[who],
+            "taken": pick(self.snap.versions, n) if self.snap.versions else 0,
+            "near": following + n % 3,
+            "jump": following + MAX_VERSION_JUMP,
+            "too-far": following + MAX_VERSION_JUMP + 1 + n,
+            "last": MAX_VERSION,
+        }[ask]
+        slot = self.free_slot(who)
+        free = asked is not None and asked > self.begun and asked not in self.snap.versions
+        beyond = asked is not None and free and asked - following > MAX_VERSION_JUMP and not admin
+        outcome = self.act(
+            "admin" if admin else who, "begin", lambda by: self.m.begin(asked, publisher=who, slot=slot, by=by)
+        )
+        if beyond:
+            assert isinstance(outcome, InvalidArgumentError) and "past the next" in str(outcome), f"{outcome!r}"
+            return
+        assert isinstance(outcome, int), f"{who}'s begin asking v{asked} into its free slot {slot} failed: {outcome!r}"
+        assert outcome > self.begun, f"{who} was given v{outcome}, not above v{self.begun} begun before"
+        if free:
+            assert outcome == asked, f"{who} asked for the free v{asked} and was given v{outcome}"
+        self.begun = outcome
+
+    @rule(who=st.sampled_from(PUBLISHERS), index=st.integers(0, 1), again=st.booleans())
+    def begin_a_shard(self, who: str, index: int, again: bool) -> None:
+        """A rank of a two-rank trainer begins its shard of the trainer's step (or of the
+        step before: a late rank); the ranks find each other by the step they ask."""
+        step = self.steps[who] if again else self.steps[who] + 1
+        self.steps[who] = max(self.steps[who], step)
+        publisher = f"{who}/rank{index}"
+        slot = self.rank_slots[publisher] = self.rank_slots.get(publisher, -1) + 1  # status shows rank 0's alone
+        if (
+            "shards-by-number" in AWAITING_FIX
+            and any(w == who and s != step and v == step for (w, s), v in self.sharded.items())
+            or (self.tombs.get(step) == who and self.tomb_asked[step] != step)
+        ):
+            return
+        known = self.sharded.get((who, step))
+        if known not in self.snap.versions or self.dead(who):  # reclaimed, or dropped as it comes back
+            known = None
+        outcome = self.act(
+            who, "begin a shard", lambda by: self.m.begin(step, publisher=publisher, slot=slot, shard=(index, 2), by=by)
+        )
+        if known is not None:  # joining it: or it ended, or this rank began it already
+            assert outcome == known or isinstance(outcome, (VersionStateError, InvalidArgumentError)), f"{outcome!r}"
+            return
+        if isinstance(outcome, VersionStateError) and (who, step) in self.given_up:
+            return  # the trainer's own shard gave up on this step before any began it
+        assert isinstance(outcome, int), f"{who}'s shard {index} asking v{step} failed: {outcome!r}"
+        assert outcome > self.begun, f"{who} was given v{outcome}, not above v{self.begun} begun before"
+        self.begun = outcome
+        self.sharded[(who, step)] = outcome
+
+    @rule(who=st.sampled_from(PUBLISHERS), n=picks, far=st.sampled_from([0, 1, MAX_VERSION_JUMP, MAX_VERSION]))
+    def abort_a_shard_by_number(self, who: str, n: int, far: int) -> None:
+        """A rank gives up on a step before any rank began it: a tombstone its siblings
+        find. Far ahead, it is a number grab."""
+        if "tombstone-numbering" in AWAITING_FIX and far == MAX_VERSION:
+            far = MAX_VERSION_JUMP
+        asked = far if far > 1 else self.steps[who] + 1 + far
+        if "tombstone-numbering" in AWAITING_FIX and asked <= max([self.begun, *self.tombs]):
+            return
+        self.given_up.add((who, asked))
+        before = self.snap
+        self.act(who, "abort a shard by number", lambda by: self.m.abort(asked, "gave up", shard=(0, 2), by=by))
+        for v in self.snap.versions.keys() - before.versions.keys():
+            self.tombs[v] = who
+            self.tomb_asked[v] = asked
+
+    @rule(who=st.sampled_from(PUBLISHERS), n=picks)
+    def commit(self, who: str, n: int) -> None:
+        v = pick([v for v in self.versions(who, (VersionState.WRITING,)) if "/" not in self.snap.versions[v][1]], n)
+        if v is None:
+            return
+        _, publisher, slot, _ = self.snap.versions[v]
+        outcome = self.act(
+            who, "commit", lambda by: self.m.commit(Manifest(v, LAYOUT, "fake", b"d", slot, publisher), by=by)
+        )
+        if outcome is None:
+            assert v > self.announced, f"v{v} announced after v{self.announced}"
+            self.announced = v
+        else:
+            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"commit of v{v}: {outcome!r}"
+
+    @rule(who=st.sampled_from(PUBLISHERS), n=picks, op=st.sampled_from(["abort", "retire", "reclaim"]))
+    def end(self, who: str, n: int, op: str) -> None:
+        """A publisher aborts, retires or reclaims a version of its own."""
+        v = pick(self.versions(who), n)
+        if v is not None:
+            outcome = self.act(who, op, lambda by: getattr(self.m, op)(v, by=by))
+            if op == "reclaim" and isinstance(outcome, VersionInUseError):
+                leased = any(x.lease.version == v for x in self.live_leases().values())
+                assert leased or self.snap.versions[v][0] in ALIVE_STATES, f"reclaim of v{v}: {outcome!r}"
+
+    # -- readers ---------------------------------------------------------------------------
+
+    @rule(who=st.sampled_from(READERS), mirror=st.integers(0, 2), ttl=st.sampled_from([1.0, 5.0, 15.0]))
+    def acquire(self, who: str, mirror: int, ttl: float) -> None:
+        holder = who if mirror == 0 else f"{who}/mirror{mirror}"
+        outcome = self.act(who, "acquire", lambda by: self.m.acquire(ttl=ttl, holder=holder, by=by))
+        if isinstance(outcome, Lease):
+            assert outcome.version == self.snap.newest or self.snap.newest is None
+            self.leases[outcome.id] = LeaseModel(outcome)
+
+    @rule(who=st.sampled_from(READERS), n=picks, op=st.sampled_from(["renew", "release"]))
+    def renew_or_release(self, who: str, n: int, op: str) -> None:
+        mine = [i for i, x in self.leases.items() if root(x.lease.holder) == who]
+        lease_id = pick(mine, n)
+        if lease_id is None:
+            return
+        record = self.leases[lease_id]
+        live = lease_id in self.live_leases()
+        outcome = self.act(who, op, lambda by: getattr(self.m, op)(record.lease, by=by))
+        if op == "release":
+            assert outcome is None, f"release: {outcome!r}"
+            record.released = True
+        elif live:
+            assert isinstance(outcome, Lease), f"{who}'s renewal of its live lease {lease_id}: {outcome!r}"
+            record.lease = outcome
+        else:
+            assert isinstance(outcome, WeightpullError), f"{who} renewed its ended lease {lease_id}"
+
+    @rule(who=st.sampled_from(READERS), n=picks, mirror=st.booleans())
+    def report_serving(self, who: str, n: int, mirror: bool) -> None:
+        replica = f"{who}/gpu1" if mirror else who
+        version = pick(self.snap.versions, n) or 0
+        assert self.act(who, "report", lambda by: self.m.report_serving(replica, version, by=by)) is None
+        self.serving[replica] = version
+        self.hear(who)
+
+    # -- anyone ----------------------------------------------------------------------------
+
+    @rule(who=st.sampled_from(ACTORS))
+    def keepalive(self, who: str) -> None:
+        assert self.act(who, "keepalive", lambda by: self.m.keepalive([who], by=by)) is None
+
+    @rule(who=st.sampled_from(ACTORS), act=st.integers(0, 11), n=picks)
+    def hostile(self, who: str, act: int, n: int) -> None:
+        """An act on what is another's, which must be refused and change nothing."""
+        by = PRINCIPALS[who]
+        others = [v for v in self.versions() if root(self.snap.versions[v][1]) != who]
+        leases = [i for i, (_, holder, _) in self.snap.leases.items() if not by.owns(holder)]
+        victim = pick([n for n in ACTORS if n != who], n)
+        v = pick(others, n)
+        lease_id = pick(leases, n)
+        attempt: tuple[str, Callable[[Principal], Any]] | None = None
+        if act == 0 and v is not None:
+            attempt = ("retire", lambda by: self.m.retire(v, by=by))
+        elif act == 1 and v is not None:
+            attempt = ("reclaim", lambda by: self.m.reclaim(v, by=by))
+        elif act == 2 and v is not None:
+            attempt = ("abort", lambda by: self.m.abort(v, "hostile", by=by))
+        elif act == 3 and v is not None:
+            _, publisher, slot, _ = self.snap.versions[v]
+            attempt = ("commit", lambda by: self.m.commit(Manifest(v, LAYOUT, "fake", b"x", slot, publisher), by=by))
+        elif act == 4:
+            target = who if by.role.value == "reader" else victim
+            attempt = ("begin", lambda by: self.m.begin(self.begun + 1, publisher=target, slot=99, by=by))
+        elif act == 5 and lease_id is not None:
+            version, holder, _ = self.snap.leases[lease_id]
+            forged = Lease(lease_id, version, holder, 1.0, 0.0)
+            op = "renew" if n % 2 else "release"
+            attempt = (op, lambda by: getattr(self.m, op)(forged, by=by))
+        elif act == 6:
+            attempt = ("acquire", lambda by: self.m.acquire(ttl=5.0, holder=f"{victim}/mirror0", by=by))
+        elif act == 7:
+            attempt = ("report", lambda by: self.m.report_serving(victim, 1, by=by))
+        elif act == 8:
+            attempt = ("keepalive", lambda by: self.m.keepalive([victim], by=by))
+        elif act == 9 and by.role.value == "reader":
+            attempt = ("abort a shard", lambda by: self.m.abort(n, "hostile", shard=(0, 2), by=by))
+        elif act == 10 and by.role.value == "reader" and self.snap.versions:
+            v = pick(self.snap.versions, n)
+            attempt = ("retire", lambda by: self.m.retire(v, by=by))
+        elif act == 11 and by.role.value == "publisher":
+            # A name that merely starts like its own is not its own.
+            attempt = ("begin", lambda by: self.m.begin(None, publisher=f"{who}x/rank0", slot=0, by=by))
+        if attempt is not None:
+            self.act(who, attempt[0], attempt[1], refused=True)
+
+    @rule(n=picks, act=st.integers(0, 3))
+    def admin_acts(self, n: int, act: int) -> None:
+        """An admin may act on anything: withdraw the newest, abort, reclaim, release."""
+        v = pick(self.versions(), n)
+        if act == 0 and self.snap.newest is not None:
+            self.act("admin", "retire", lambda by: self.m.retire(self.snap.newest, by=by))
+        elif act == 1 and v is not None:
+            self.act("admin", "abort", lambda by: self.m.abort(v, "by the admin", by=by))
+        elif act == 2 and v is not None:
+            self.act("admin", "reclaim", lambda by: self.m.reclaim(v, by=by))
+        elif act == 3 and self.leases:
+            lease_id = pick(self.leases, n)
+            self.act("admin", "release", lambda by: self.m.release(self.leases[lease_id].lease, by=by))
+            self.leases[lease_id].released = True
+
+    # -- time ------------------------------------------------------------------------------
+
+    @rule(dt=half_seconds)
+    def time_passes(self, dt: float) -> None:
+        before = self.snap
+        self.clock.advance(dt)
+        self.snap = self.look()
+        lapsed = [n for n in self.heard if self.dead(n) and before.alive.get(n, 0) > 0]
+        if lapsed:
+            note(f"lapsed: {', '.join(sorted(lapsed))}")
+        self.explain(before, self.snap, None, f"{dt} s passing")
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        now = self.clock.now()
+        snap = self.snap
+        for name, expires_in in snap.alive.items():
+            assert name in self.heard, f"{name} is alive, never heard from"
+            assert abs(expires_in - (self.heard[name] + LIVE - now)) < 1e-6, f"{name}'s liveness: {expires_in}"
+        assert set(snap.alive) == set(self.heard), f"alive {sorted(snap.alive)}, heard {sorted(self.heard)}"
+        live = self.live_leases()
+        assert set(snap.leases) == set(live), f"live leases: registry {sorted(snap.leases)}, model {sorted(live)}"
+        for lease_id, record in live.items():  # a reader's own live lease stays valid whatever others do
+            assert self.m.is_valid(record.lease), f"{record.lease.holder}'s live lease {lease_id} is not valid"
+        serving = {r: v for r, v in self.serving.items() if not self.dead(root(r))}
+        assert snap.serving == serving, f"serving: registry {snap.serving}, model {serving}"
+        for v, (state, publisher, _, reason) in snap.versions.items():
+            owner = root(publisher)
+            if publisher and self.dead(owner):
+                assert state not in ALIVE_STATES, f"v{v} of {owner!r}, lapsed, is still {state} ({reason})"
+        if snap.newest is not None:
+            assert snap.versions[snap.newest][0] is VersionState.READY
+        ready = [v for v, (state, *_) in snap.versions.items() if state is VersionState.READY]
+        assert ready == ([] if snap.newest is None else [snap.newest]), f"READY: {ready}, newest {snap.newest}"
+
+
+def test_principals() -> None:
+    fuzz("test_principals", lambda profile: run_state_machine_as_test(PrincipalsMachine, settings=profile))
