@@ -164,9 +164,9 @@ class RegistryMachine:
         by: Principal = ADMIN,
     ) -> int:
         """Record a version as WRITING into `slot`; return its number. `version` is the
-        number asked for (None: the next): it is given when it exceeds every version begun,
-        else, if another principal's versions took it, the next free number; asking again
-        for a number of one's own is a `VersionOrderError`. A slot is only begun once the
+        number asked for (None: the next): it is given when it exceeds every version begun
+        and is free, else the next free number (another principal's versions took it, or a
+        restarted publisher asks again from its start). A slot is only begun once the
         version it held was reclaimed.
 
         With `shard=(index, count)` the version is written by `count` shard publishers of
@@ -178,6 +178,7 @@ class RegistryMachine:
         asked = None if version is None else check_int("version", version)
         index, count = check_shard(*shard) if shard is not None else (0, 0)
         owner = self._check_publisher(by, "begin", publisher)
+        self._touch(owner)  # an admin's publisher has liveness too, from its first begin
         joining = None if shard is None or asked is None else self._find_sharded(None if by.is_admin else owner, asked)
         if joining is not None:
             assert joining.shards is not None
