@@ -58,7 +58,6 @@ ALIVE_STATES = (VersionState.WRITING, VersionState.STREAMING, VersionState.READY
 # and keeps finding anything new. Remove a name once its fix lands.
 AWAITING_FIX = {
     "tombstone-numbering",  # a shard tombstone takes any number asked: MAX_VERSION (a lockout), or a used one
-    "lapse-once",  # a version begun (by an admin) for a lapsed publisher stays WRITING
     "serving-comes-back",  # a lapsed reader's old report returns when it is heard from again
     "shards-by-number",  # a shard joins its trainer's version *numbered* as the step it asks
 }
@@ -151,7 +150,9 @@ class PrincipalsMachine(RuleBasedStateMachine):
 
     # -- acting, and judging what changed --------------------------------------------------
 
-    def act(self, who: str, op: str, call: Callable[[Principal], Any], refused: bool = False) -> Any:
+    def act(
+        self, who: str, op: str, call: Callable[[Principal], Any], refused: bool = False, heard: str | None = None
+    ) -> Any:
         """`call(principal)` as `who`; then every change to the registry must be one that
         `who` may make. Returns what it returned or the error it raised."""
         by = PRINCIPALS[who]
@@ -168,6 +169,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
             assert not refused, f"{by} was let {op}"
         if not by.is_admin:
             self.hear(who)
+        if heard is not None:
+            self.hear(heard)
         self.snap = self.look()
         note(f"{'refused ' if refused else ''}{op}: {type(outcome).__name__}")
         self.explain(before, self.snap, who, op, refused)
@@ -275,8 +278,6 @@ class PrincipalsMachine(RuleBasedStateMachine):
         asking for its next step, nothing, a number others took, or one far ahead."""
         self.steps[who] += 1
         admin = admin and ask not in ("too-far", "last")  # an admin may lock everyone out; not tried
-        if "lapse-once" in AWAITING_FIX and self.dead(who):
-            admin = False
         following = self.begun + 1
         asked = {
             "none": None,
@@ -291,7 +292,10 @@ class PrincipalsMachine(RuleBasedStateMachine):
         free = asked is not None and asked > self.begun and asked not in self.snap.versions
         beyond = asked is not None and free and asked - following > MAX_VERSION_JUMP and not admin
         outcome = self.act(
-            "admin" if admin else who, "begin", lambda by: self.m.begin(asked, publisher=who, slot=slot, by=by)
+            "admin" if admin else who,
+            "begin",
+            lambda by: self.m.begin(asked, publisher=who, slot=slot, by=by),
+            heard=who,  # a begin keeps its publisher alive, an admin's too
         )
         if beyond:
             assert isinstance(outcome, InvalidArgumentError) and "past the next" in str(outcome), f"{outcome!r}"
