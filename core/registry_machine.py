@@ -333,7 +333,8 @@ class RegistryMachine:
             owner = None if by.is_admin else by.name
             found = self._find_sharded(owner, version)
             if found is None:  # before any shard began: a tombstone its siblings will find
-                number = version if version not in self._versions else max(self._versions) + 1
+                number = self._number(version, by)  # as a begin numbers it: bounded, never reused
+                self._highest_begun = number
                 self._versions[number] = _Version(
                     number,
                     "",
@@ -498,7 +499,7 @@ class RegistryMachine:
                 )
             )
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
-        serving = {r: v for r, v in self._serving.items() if root(r) not in self._lapsed}
+        serving = dict(self._serving)
         alive = {name: expires - now for name, expires in sorted(self._alive.items())}
         return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), serving, alive)
 
@@ -557,7 +558,7 @@ class RegistryMachine:
         """The sharded version of `owner` (None: an admin asks, of anyone) whose shards
         asked for `asked`, if any."""
         record = self._versions.get(asked)
-        if record is not None and record.shards is not None and owner in (None, record.owner):
+        if record is not None and record.shards is not None and record.asked == asked and owner in (None, record.owner):
             return record  # given the number asked, as it mostly is
         for record in self._versions.values():
             if record.shards is not None and record.owner == owner and record.asked == asked:
@@ -585,6 +586,8 @@ class RegistryMachine:
             if expires > now or name in self._lapsed:
                 continue
             self._lapsed.add(name)
+            for replica in [r for r in self._serving if root(r) == name]:  # it serves nothing now
+                del self._serving[replica]
             why = f"publisher {name!r} lapsed: not heard from for {self.liveness_ttl:g} s"
             for record in sorted(self._versions.values(), key=lambda r: r.version):
                 if record.owner != name:

@@ -31,7 +31,6 @@ def m(clock):
     return RegistryMachine(clock, liveness_ttl=TTL)
 
 
-@pytest.mark.xfail(strict=True, reason="awaiting the core fix: a shard's tombstone takes the number asked, unchecked")
 def test_a_shard_tombstone_far_ahead_cannot_lock_publishers_out(m):
     """A publisher's shard abort by number, before any shard began, leaves a tombstone at
     the number asked, unchecked: at MAX_VERSION, every later begin, anyone's, is refused
@@ -41,7 +40,6 @@ def test_a_shard_tombstone_far_ahead_cannot_lock_publishers_out(m):
     assert m.begin(None, publisher="trainer", slot=0, by=TRAINER) < MAX_VERSION
 
 
-@pytest.mark.xfail(strict=True, reason="awaiting the core fix: a shard's tombstone takes the number asked, unchecked")
 def test_a_shard_tombstone_never_reuses_a_version_number(m):
     """Version numbers are never reused (architecture.md), yet a tombstone takes the
     number asked whenever no record holds it now: here v3, begun, aborted and reclaimed."""
@@ -65,7 +63,6 @@ def test_a_version_begun_for_a_lapsed_publisher_does_not_stay_writing(m, clock):
     assert state is VersionState.ABORTED
 
 
-@pytest.mark.xfail(strict=True, reason="awaiting the core fix: a lapsed reader's reports are hidden, not dropped")
 def test_a_lapsed_reader_that_comes_back_does_not_serve_its_old_version(m, clock):
     """A reader lapses and leaves `serving`; when it is heard from again (restarted, it
     has applied nothing yet) its report from before the lapse comes back."""
@@ -78,7 +75,6 @@ def test_a_lapsed_reader_that_comes_back_does_not_serve_its_old_version(m, clock
     assert m.status().serving == {}
 
 
-@pytest.mark.xfail(strict=True, reason="awaiting the core fix: _find_sharded matches a version's number, not its step")
 def test_a_rogue_taking_a_number_cannot_make_a_trainers_next_sharded_step_fail(m):
     """The rogue takes 7, so the trainer's step 7 (two ranks) is numbered 8. Its step 8
     then asks for 8, and `_find_sharded` takes v8 for it by number: rank 0 is refused
