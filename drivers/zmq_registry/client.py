@@ -56,6 +56,7 @@ from weightpull.errors import (
 )
 from weightpull.manifest import Manifest
 from weightpull.principals import ADMIN, Principal
+from weightpull.records import Progress
 from weightpull.registry import Lease, RegistryStatus
 from weightpull.tasks import close_owned
 
@@ -247,8 +248,40 @@ class ZmqRegistry:
     async def get(self, version: int) -> Manifest:
         return Manifest.from_dict(await self._call("get", version=version))
 
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
-        return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder))
+    async def acquire(self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False) -> Lease:
+        extra = {"streaming": True} if streaming else {}  # sent only when set: an older server takes the rest
+        return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder, **extra))
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def stream(self, manifest: Manifest) -> None:
+        await self._call("stream", manifest=manifest.to_dict())
+
+    async def mark(self, version: int, committed: int) -> None:
+        await self._call("mark", version=version, committed=committed)
+
+    async def progress(self, version: int) -> Progress:
+        return Progress.from_dict(await self._call("progress", version=version))
+
+    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
+        """Long-polls of at most `wait_poll` seconds each, as `wait_for_version`."""
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        while True:
+            left = (
+                self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
+            )
+            try:
+                data = await self._call(
+                    "wait_for_buckets",
+                    version=version,
+                    at_least=at_least,
+                    timeout=left,
+                    _attempt_timeout=left + self.timeout,
+                )
+                return Progress.from_dict(data)
+            except VersionWaitTimeoutError:
+                if deadline is not None and anyio.current_time() >= deadline:
+                    raise
 
     async def renew(self, lease: Lease) -> Lease:
         return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))

@@ -343,7 +343,7 @@ class RegistryServer:
             return
         if cached is not None:  # a retry: answer it as the first attempt was answered
             await self._send(sock, peer, self._reply(req, cached))
-        elif req.op == "wait_for_version":
+        elif req.op in _WAITS:
             tg.start_soon(self._wait, sock, peer, req, who)
         else:
             await self._answer(sock, peer, req, op.mutates, who)
@@ -354,6 +354,8 @@ class RegistryServer:
         try:
             if req.op == "wait_for_version":
                 result = await self._wait_for_version(req.args, who)
+            elif req.op == "wait_for_buckets":
+                result = await self._wait_for_buckets(req.args, who)
             else:
                 result = self._execute(req.op, req.args, who)  # synchronous: nothing interleaves
             outcome: dict[str, Any] = {"ok": True, "result": result}
@@ -374,7 +376,7 @@ class RegistryServer:
         try:
             await self._answer(sock, peer, req, False, who)
         except Exception:  # in a task of the server's group: it must not end the server
-            log.exception("could not answer wait_for_version from peer %s", peer.hex()[:10])
+            log.exception("could not answer %s from peer %s", req.op, peer.hex()[:10])
 
     def _reply(self, req: wire.Request, outcome: dict[str, Any]) -> Reply:
         return Reply(req.id, req.nonce, self.epoch, outcome["ok"], outcome.get("result"), outcome.get("error"))
@@ -406,7 +408,14 @@ class RegistryServer:
             case "get":
                 return m.get(a["version"], by=by).to_dict()
             case "acquire":
-                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"], by=by).to_dict()
+                streaming = bool(a.get("streaming"))
+                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"], by=by, streaming=streaming).to_dict()
+            case "stream":
+                return m.stream(Manifest.from_dict(a["manifest"]), by=by)
+            case "mark":
+                return m.mark(a["version"], a["committed"], by=by)
+            case "progress":
+                return m.progress(a["version"], by=by).to_dict()
             case "renew":
                 return m.renew(Lease.from_dict(a["lease"]), by=by).to_dict()
             case "release":
@@ -423,6 +432,15 @@ class RegistryServer:
         self.machine.keepalive((), by=by)  # a reader waiting is alive
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
         return (await self.registry.wait_for_version(a["min_version"], timeout)).to_dict()
+
+    async def _wait_for_buckets(self, a: dict[str, Any], by: Principal) -> Any:
+        self.machine.keepalive((), by=by)
+        timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
+        registry = self.registry.as_principal(by)
+        return (await registry.wait_for_buckets(a["version"], a["at_least"], timeout)).to_dict()
+
+
+_WAITS = ("wait_for_version", "wait_for_buckets")  # answered from a task of their own
 
 
 def _shard(args: dict[str, Any]) -> tuple[int, int] | None:
