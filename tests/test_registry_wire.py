@@ -149,9 +149,9 @@ def test_keepalive_and_a_numberless_begin_are_on_the_wire():
 
 
 def test_every_operation_of_the_registry_is_on_the_wire():
-    from weightpull.registry import Registry
+    from weightpull.registry import Registry, StreamingRegistry
 
-    methods = {m for m in vars(Registry) if not m.startswith("_")}
+    methods = {m for protocol in (Registry, StreamingRegistry) for m in vars(protocol) if not m.startswith("_")}
     assert methods <= set(wire.OPS)
     assert {op for op, spec in wire.OPS.items() if spec.mutates} == {
         "begin",
@@ -163,6 +163,8 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "renew",
         "release",
         "report_serving",
+        "stream",
+        "mark",
     }
 
 
