@@ -41,6 +41,7 @@ __all__ = [
 
 REGISTRY_ENV = "WEIGHTPULL_REGISTRY"  # the address of a served registry
 _SERVED = "weightpull.drivers.zmq_registry.client:ZmqRegistry"
+_RAY = "weightpull.drivers.ray_registry:RayRegistry"
 
 
 @runtime_checkable
@@ -242,22 +243,24 @@ class InProcessRegistry:
 
 
 def connect_registry(address: str | None = None, **options: Any) -> Registry:
-    """The registry served at `address` (else at `$WEIGHTPULL_REGISTRY`), or, with
-    neither, a new in-process one. `options` go to the served registry's client (secret,
-    timeout, ...). The client loads lazily: it needs pyzmq, the `service` extra.
+    """The registry at `address` (else at `$WEIGHTPULL_REGISTRY`), or, with neither, a new
+    in-process one. `tcp://`, `ipc://` and `inproc://` addresses are served over ZeroMQ
+    (the `service` extra; `options` go to its client: key, server_key, timeout, ...);
+    `ray://NAME` is a registry in the named Ray actor NAME (the `verl` extra, which brings
+    Ray). The client loads lazily.
 
     Use it as it comes (`aclose()` when done) or as `async with connect_registry(...) as
     registry:`, which also keeps a served client's heartbeat inside the block."""
     address = address or os.environ.get(REGISTRY_ENV) or None
     if address is None:
         return InProcessRegistry()
-    module, _, name = _SERVED.partition(":")
+    target, extra, needs = (_RAY, "verl", "Ray") if address.startswith("ray://") else (_SERVED, "service", "pyzmq")
+    module, _, name = target.partition(":")
     try:
         client = getattr(importlib.import_module(module), name)
     except ImportError as exc:
         raise DriverUnavailableError(
-            f"the registry at {address} is served over ZeroMQ, which needs pyzmq: "
-            f"pip install 'weightpull[service]' ({exc})"
+            f"the registry at {address} needs {needs}: pip install 'weightpull[{extra}]' ({exc})"
         ) from exc
     registry: Registry = client(address, **options)  # loaded by name, so typed here
     return registry

@@ -241,3 +241,10 @@ async def test_ended_leases_are_pruned(reg):
     for _ in range(600):
         await reg.release(await reg.acquire(ttl=1, holder="r"))
     assert len(reg.machine._versions[1].leases) <= 257
+
+
+def test_a_ray_address_names_a_registry_in_a_ray_actor():
+    from weightpull.registry import connect_registry
+
+    registry = connect_registry("ray://weights")
+    assert type(registry).__name__ == "RayRegistry"  # what it does with Ray: tests/verl
