@@ -16,6 +16,9 @@ from .conftest import autojump, host_tensors
 pytestmark = pytest.mark.anyio
 
 NBYTES = 6656  # host_tensors' three tensors as laid out in a slot, aligned
+# What a pull of them reads: each bucket of world's 2048-byte buckets, from its first
+# tensor's start to its last's end: t0 and t1 (at 1024, 300 bytes), then t2 (5000 bytes).
+READ = 1324 + 5000
 
 
 def flat(metrics: dict) -> None:
@@ -60,7 +63,8 @@ async def test_publisher_block_seconds_include_the_wait_for_a_slot(world):
 
 async def test_puller_metrics_per_pull(world):
     pub = world.publisher(num_slots=4)
-    puller = world.puller(world.transport(faults=FakeFaults(bandwidth=NBYTES / 2.0)), ttl=1.5)
+    bandwidth = NBYTES / 2.0  # 3328 B/s: a read of READ bytes takes 1.90 s
+    puller = world.puller(world.transport(faults=FakeFaults(bandwidth=bandwidth)), ttl=1.5)
     assert puller.metrics() == {"pull/pulls": 0, "pull/failed": 0, "pull/torn_reads": 0, "pull/stalls": 0}
     await pub.publish(1, host_tensors(1))
     async with autojump(world.clock):
@@ -68,8 +72,10 @@ async def test_puller_metrics_per_pull(world):
         m = puller.metrics()
         flat(m)
         assert m["pull/version"] == 1 and m["pull/bytes"] == NBYTES
-        assert m["pull/seconds"] == pytest.approx(2.0) and m["pull/gbps"] == pytest.approx(NBYTES / 2.0 / 1e9)
-        assert m["pull/lease_renewals"] >= 3  # every 0.5 s of a 2 s read
+        seconds = READ / bandwidth
+        assert m["pull/seconds"] == pytest.approx(seconds)
+        assert m["pull/gbps"] == pytest.approx(NBYTES / seconds / 1e9)  # the version's bytes over the pull's time
+        assert m["pull/lease_renewals"] >= 3  # every 0.5 s of a 1.90 s read
         assert "pull/versions_behind" not in m  # nothing held before: unknown
 
         await pub.publish(2, host_tensors(2))
@@ -103,18 +109,20 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
-async def test_the_served_registry_offers_its_status_to_prometheus():
+async def test_the_served_registry_offers_its_status_to_prometheus(monkeypatch):
     pytest.importorskip("prometheus_client")
     pytest.importorskip("zmq")
     from weightpull.drivers.zmq_registry.client import ZmqRegistry
     from weightpull.drivers.zmq_registry.server import RegistryServer
 
-    server = RegistryServer("tcp://127.0.0.1:0", secret=b"s", metrics_port=0)
+    for name in ("WEIGHTPULL_KEY", "WEIGHTPULL_SERVER_KEY", "WEIGHTPULL_SECRET"):
+        monkeypatch.delenv(name, raising=False)  # the client speaks plainly, as the dev server does
+    server = RegistryServer("tcp://127.0.0.1:0", insecure_dev=True, metrics_port=0)
     fabric = FakeFabric()
     async with anyio.create_task_group() as tg:
         address = await tg.start(server.serve)
         assert server.metrics_url.startswith("http://127.0.0.1:") and server.metrics_url.endswith("/metrics")
-        registry = ZmqRegistry(address, secret=b"s")
+        registry = ZmqRegistry(address)
         pub = Publisher(registry, FakeTransport(fabric=fabric), rollout_dtype=None, num_slots=3, name="trainer")
         await pub.publish(1, host_tensors(1))
         await pub.publish(2, host_tensors(2))
