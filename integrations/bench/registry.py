@@ -3,7 +3,8 @@
 Each client has its own `ZmqRegistry` (its own sockets) and loops acquire+release on the
 newest READY version for the measured time. Against `--registry ADDRESS` the bench only
 leases what is there (it never publishes into a live job); without one it starts its own
-server process and publishes a one-byte version into it.
+server process on loopback (`--insecure-dev`: no keys, every client an admin) and
+publishes a one-byte version into it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ import anyio
 import attrs
 
 from weightpull.drivers.zmq_registry.client import ZmqRegistry
+from weightpull.drivers.zmq_registry.keys import KEY_ENV, SERVER_KEY_ENV
 from weightpull.drivers.zmq_registry.wire import SECRET_ENV
 from weightpull.errors import NoReadyVersionError, RegistryError
 from weightpull.layout import TensorSpec, plan_layout
@@ -95,29 +97,52 @@ async def run_bench(
     return BenchResult(address, clients, elapsed, len(latencies), _quantile(ms, 0.5), _quantile(ms, 0.99), ms[-1])
 
 
+# The bench's own server: its publisher publishes once and is heard from no more, so a
+# liveness TTL (10 s by default) would withdraw the version mid-bench; a week outlasts any.
+OWN_LIVENESS_TTL = 7 * 24 * 3600.0
+# What the bench's own server and its clients must not take from this environment: they
+# speak plainly (the server takes no key and no secret).
+NOT_FOR_OWN_SERVER = (SECRET_ENV, KEY_ENV, SERVER_KEY_ENV)
+
+
 @contextlib.contextmanager
 def own_server() -> Iterator[tuple[str, bytes]]:
-    """A `weightpull registry serve` process on a free loopback port, with a fresh
-    secret: (address, secret)."""
-    secret = secrets.token_hex(16).encode()
-    env = {**os.environ, SECRET_ENV: secret.decode()}
-    cmd = [sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0", "--json"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # its ready line, or its error, as JSON
+    """A `weightpull registry serve --insecure-dev` process on a free loopback port:
+    (address, b""). The empty secret says "none" explicitly, so the bench's clients speak
+    plainly, as this server does, instead of taking $WEIGHTPULL_KEY or $WEIGHTPULL_SECRET
+    from the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in NOT_FOR_OWN_SERVER}
+    cmd = [
+        *(sys.executable, "-m", "weightpull", "registry", "serve", "--bind", "tcp://127.0.0.1:0", "--insecure-dev"),
+        *("--liveness-ttl", str(OWN_LIVENESS_TTL), "--json"),
+    ]
+    # Its log (the --insecure-dev warning, each refusal) goes to a file, shown if it fails to
+    # start: a pipe nobody reads could fill and stall it.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
-            address = json.loads(line)["listening"]
-        except (ValueError, KeyError, TypeError):
-            raise RegistryError(f"the bench's registry server did not start (exit {proc.poll()}): {line!r}") from None
-        yield address, secret
-    finally:
-        proc.terminate()
-        proc.wait(10)
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # its ready line, or its error, as JSON
+            try:
+                address = json.loads(line)["listening"]
+            except (ValueError, KeyError, TypeError):
+                proc.wait(10)
+                log.seek(0)
+                raise RegistryError(
+                    f"the bench's registry server did not start (exit {proc.poll()}): {line!r} {log.read().strip()}"
+                ) from None
+            yield address, b""
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
-async def publish_one(address: str, secret: bytes) -> None:
-    """A one-byte version for the bench to lease."""
+async def publish_one(address: str, secret: bytes | None = None) -> None:
+    """A one-byte version for the bench to lease. Its client sends no heartbeat and
+    closes at once: the version stays READY for the server's --liveness-ttl (the bench's
+    own server: a week), or as long as another client publishes as `bench`."""
     reg = ZmqRegistry(address, secret=secret, heartbeat=None)
     layout = plan_layout([TensorSpec("bench", "uint8", (1,))])
     await reg.begin(1, publisher="bench", slot=0)
