@@ -11,7 +11,8 @@ digest it made of the bytes it meant to publish, apart from weightpull.
 Over `fake` everything runs in one process. Over any other transport (`nixl`, the
 default where it loads) each replica is a process of its own (`weightpull demo --replica
 SPEC`, started by the trainer), reading the trainer's slots one-sidedly and finding
-versions through a registry the trainer serves on loopback. Both run `replica_loop`.
+versions through a registry the trainer serves on loopback (development mode: no keys,
+every client an admin). Both run `replica_loop`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import ctypes
 import hashlib
 import json
 import os
-import secrets
 import signal
 import statistics
 import sys
@@ -298,16 +298,19 @@ async def _replica_process(cfg: DemoConfig, index: int, t0: float, out: TextIO) 
 def _registry(cfg: DemoConfig, in_process: bool) -> tuple[Registry, Any, dict[str, str]]:
     """(the trainer's registry, a server to run for replica processes or None, their
     environment). Replica processes given no registry's address reach one served in the
-    trainer's process, on loopback, with a secret drawn for this run."""
+    trainer's process in development mode (`--insecure-dev`): on loopback, every process
+    on this host an admin, as the trainer and its replicas are here."""
     address = cfg.registry or os.environ.get(REGISTRY_ENV) or None
     if in_process or address:
         return connect_registry(address), None, dict(os.environ)
+    from weightpull.drivers.zmq_registry.keys import KEY_ENV, SERVER_KEY_ENV
     from weightpull.drivers.zmq_registry.server import RegistryServer
     from weightpull.drivers.zmq_registry.wire import SECRET_ENV
 
-    secret = secrets.token_hex(16)
-    server = RegistryServer("tcp://127.0.0.1:0", secret=secret.encode(), registry=InProcessRegistry())
-    return server.registry, server, {**os.environ, SECRET_ENV: secret}
+    server = RegistryServer("tcp://127.0.0.1:0", insecure_dev=True, registry=InProcessRegistry())
+    # The replicas speak plainly, as this server does: no key or secret of this environment.
+    env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, SERVER_KEY_ENV, SECRET_ENV)}
+    return server.registry, server, env
 
 
 async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, Any]:

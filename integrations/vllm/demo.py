@@ -192,14 +192,15 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
 
 async def _registry(cfg: VllmDemoConfig, tg: Any) -> tuple[Registry, str]:
     """The registry at `cfg.registry` (or `$WEIGHTPULL_REGISTRY`), else one served here
-    on a loopback port: the engines' workers reach it by address either way."""
+    on a loopback port in development mode (`--insecure-dev`: no keys, every client an
+    admin): the engines' workers reach it by address either way."""
     address = cfg.registry or os.environ.get(REGISTRY_ENV)
     if address:
         return connect_registry(address), address
     from weightpull.drivers.zmq_registry.server import RegistryServer
 
     registry = InProcessRegistry()
-    return registry, await tg.start(RegistryServer("tcp://127.0.0.1:0", registry=registry).serve)
+    return registry, await tg.start(RegistryServer("tcp://127.0.0.1:0", insecure_dev=True, registry=registry).serve)
 
 
 async def _narrate(replica: Any, say: Progress) -> None:
