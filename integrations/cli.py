@@ -9,6 +9,7 @@ commands raise typed errors and never print their own.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -403,7 +404,8 @@ def _bench_model(args: argparse.Namespace) -> int:
     model = _bench_module("model", "torch")
     transports = [args.transport] if args.transport else None
     try:
-        result = _measure(model.run, args.preset, transports, args.versions, not args.no_baselines)
+        run = functools.partial(model.run, stream=not args.no_stream)
+        result = _measure(run, args.preset, transports, args.versions, not args.no_baselines)
     except ValueError as exc:  # an unknown preset, say: the command line's
         raise UsageError(str(exc)) from exc
     print("\n".join(model.table(result)), file=sys.stderr if args.json else sys.stdout)
@@ -693,6 +695,11 @@ def _bench_parser(sub: Any) -> None:
         "trainer slot) and updates per baseline (after one) (default: 3)",
     )
     model.add_argument("--no-baselines", action="store_true", help="leave out the baselines")
+    model.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="leave out the streamed runs (each path is measured serially, then read while written)",
+    )
     model.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     model.set_defaults(func=_bench_model)
 

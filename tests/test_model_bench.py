@@ -52,7 +52,13 @@ def test_tiny_preset_json_against_limits_and_baselines():
     } <= r.keys()
     assert r["transport"] == "fake" and r["preset"] == "tiny" and r["tensors"] == 24 and r["versions"] == 2
     assert r["size_bytes"] >= r["tensor_bytes"] == PRESETS["tiny"].bf16_bytes()
-    assert [t["transport"] for t in r["transports"]] == ["fake"] and r["byte_exact"] is True
+    # each path serially, then streamed (read while written), both byte-exact
+    assert [(t["transport"], t["stream"]) for t in r["transports"]] == [("fake", False), ("fake", True)]
+    assert r["byte_exact"] is True and r["transports"][1]["byte_exact"] is True
+    streamed = r["transports"][1]
+    assert streamed["serial_publish_to_serving_ms"] == r["publish_to_serving_ms"]
+    assert streamed["ratio_to_serial"] == round(streamed["publish_to_serving_ms"] / r["publish_to_serving_ms"], 3)
+    assert streamed["limits"]["overlapped_ms"] is None  # on a CPU the gain is the ratio to the serial sum
     for key in FIGURES:
         assert positive(r[key]), key
     assert r["to_device_gbps"] is None  # a host mirror: no copy leg to the GPU

@@ -7,6 +7,10 @@ applies the mirror to the model's weights, one copy per tensor (its pause), and 
 The two go in lockstep over a pipe, which stands in for the registry's announcement.
 The first version on each of the trainer's two slots warms up (each slot, and the mirror,
 registered once) and is left out of the medians.
+
+Streamed (`stream`), the trainer casts straight into its slot bucket by bucket and marks
+each one in a registry served by this process, and the replica starts pulling as soon as
+it asked for the version, reading each bucket once it is marked: the two copies overlap.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import anyio
 import attrs
 import torch
 
+from weightpull.errors import NoReadyVersionError, VersionNotFoundError, VersionStateError
 from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.manifest import Manifest
 from weightpull.puller import Puller
-from weightpull.registry import InProcessRegistry
+from weightpull.registry import InProcessRegistry, connect_registry
 from weightpull.transports import create_transport, transport_class
 
 from .child import Child
@@ -42,6 +47,8 @@ class Setup:
     versions: int  # measured, after one per slot to warm up
     device: str  # the trainer's parameters and the replica's weights: cpu or cuda:0
     host_slot: bool = False  # host slots even for a driver that reads GPU memory at device speed
+    stream: bool = False  # the replica reads the version while the trainer writes it
+    registry: str | None = None  # the served registry's address (a streamed flow's, set by run_flow)
 
     @property
     def cuda(self) -> bool:
@@ -94,13 +101,14 @@ def _train(conn: Any, setup: Setup) -> None:
     transport = _trainer_transport(setup)
     specs = [spec_of(n, t, "bfloat16") for n, t in params.items()]
     with SnapshotPublisher(
-        InProcessRegistry(),
+        setup.registry or InProcessRegistry(),
         transport,
         specs,
         device=setup.device,
         slot_device=setup.slot,
         num_slots=SLOTS,
         name=f"bench-trainer-{setup.transport}",
+        stream=setup.stream,
     ) as publisher:
         conn.send(("ready",))
         while (msg := conn.recv())[0] == "publish":
@@ -112,7 +120,11 @@ def _train(conn: Any, setup: Setup) -> None:
             result = ticket.result()
             announced = time.monotonic() - started
             conn.send(("published", started, ticket.blocking_s, announced, result.manifest.to_dict()))
-        conn.send(("stopped", sums(dict(publisher.staging.items()))))  # the last version, as snapshotted
+        # The last version, as published: cast afresh when streamed (no staging buffer then).
+        published = (
+            {n: p.to(torch.bfloat16) for n, p in params.items()} if setup.stream else dict(publisher.staging.items())
+        )
+        conn.send(("stopped", sums(published)))
     anyio.run(transport.aclose)
 
 
@@ -129,6 +141,12 @@ class Trainer:
 
     def publish(self, version: int) -> tuple[Any, ...]:
         return self.child.ask(("publish", version), "published")
+
+    def start_publish(self, version: int) -> None:
+        self.child.conn.send(("publish", version))
+
+    def published(self) -> tuple[Any, ...]:
+        return self.child.expect("published")
 
     def stop(self) -> list[int] | None:
         """Stop it; the sums of the last version it published, if it was still well."""
@@ -149,32 +167,69 @@ def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], dev
 async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[str], None]) -> dict[str, Any]:
     """Every version published, pulled and applied; medians of the measured versions.
     `tick` marks a version done, `note` says what runs now (so a stall shows where)."""
+    if not setup.stream:
+        return await _run_flow(setup, InProcessRegistry(), tick, note)
+    from weightpull.drivers.zmq_registry.server import RegistryServer  # a streamed flow's marks cross processes
+
+    async with anyio.create_task_group() as tg:
+        server = RegistryServer("tcp://127.0.0.1:0", insecure_dev=True)
+        address = await tg.start(server.serve)
+        try:
+            async with connect_registry(address) as registry:
+                return await _run_flow(attrs.evolve(setup, registry=address), registry, tick, note)
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def _pull_streaming(puller: Puller, version: int) -> Any:
+    """The version once the trainer has begun streaming it (polled: the trainer was only
+    just asked to publish it)."""
+    while True:
+        try:
+            return await puller.pull(version)
+        except (VersionNotFoundError, VersionStateError, NoReadyVersionError):
+            await anyio.sleep(2e-4)
+
+
+async def _run_flow(
+    setup: Setup, registry: Any, tick: Callable[[str], None], note: Callable[[str], None]
+) -> dict[str, Any]:
     name = setup.transport
     note(f"{name}: starting the trainer")
     trainer = await anyio.to_thread.run_sync(Trainer, setup)
-    registry = InProcessRegistry()  # the manifests as a served registry would hand them over
     transport = create_transport(setup.transport, **setup.options)
-    puller = Puller(registry, transport, device=setup.device, ttl=60.0)
+    puller = Puller(registry, transport, device=setup.device, ttl=60.0, stream=setup.stream)
     raw = RawRead(setup.transport, puller.transport, pinned=setup.cuda)
     weights = {n: torch.empty(s, dtype=torch.bfloat16, device=setup.device) for n, s in PRESETS[setup.preset].shapes()}
     rows: list[dict[str, float]] = []
     try:
         for version in range(setup.versions + SLOTS):
             note(f"{name} v{version}: publishing")
-            started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.publish, version)
-            manifest = Manifest.from_dict(manifest_dict)
-            await registry.begin(version, publisher=manifest.publisher, slot=manifest.slot)
-            await registry.commit(manifest)
-            if version:  # as the trainer's own registry does before reusing its slot
-                await registry.reclaim(version - 1)
-            note(f"{name} v{version}: pulling")
-            t = time.monotonic()
-            pulled = await puller.pull()
-            pull_s = time.monotonic() - t
+            if setup.stream:  # pull as the trainer writes; the registry is the trainer's too
+                trainer.start_publish(version)
+                t = time.monotonic()
+                pulled = await _pull_streaming(puller, version)
+                pull_s = time.monotonic() - t
+            else:
+                started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(
+                    trainer.publish, version
+                )
+                manifest = Manifest.from_dict(manifest_dict)
+                await registry.begin(version, publisher=manifest.publisher, slot=manifest.slot)
+                await registry.commit(manifest)
+                if version:  # as the trainer's own registry does before reusing its slot
+                    await registry.reclaim(version - 1)
+                note(f"{name} v{version}: pulling")
+                t = time.monotonic()
+                pulled = await puller.pull()
+                pull_s = time.monotonic() - t
             mirror = as_tensors(pulled.layout, pulled.region)
             t = time.monotonic()
             apply(weights, mirror, setup.device)
             serving = time.monotonic()
+            if setup.stream:
+                started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.published)
+                manifest = Manifest.from_dict(manifest_dict)
             rows.append(
                 {
                     "block_s": blocking_s,
@@ -207,6 +262,7 @@ async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[st
 
     return {
         "transport": setup.transport,
+        "stream": setup.stream,
         "size_bytes": nbytes,
         "buckets": len(manifest.layout.buckets),
         "slot": setup.slot,

@@ -100,6 +100,45 @@ def _cast_seconds(nbytes: int, device: str, repeat: int) -> float:
     return best
 
 
+def together_seconds(copies: list[tuple[Any, Any]], repeat: int) -> float:
+    """The best time for every `dst.copy_(src)` of `copies` to finish, each queued on a
+    CUDA stream of its own so that they run at once: what two copies that share a link
+    or memory (PCIe both ways, or HBM) take together."""
+    import torch
+
+    streams = [torch.cuda.Stream() for _ in copies]
+    best = float("inf")
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for stream, (dst, src) in zip(streams, copies, strict=True):
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def overlapped(sample: int, repeat: int) -> dict[str, float]:
+    """Per `sample` bf16 bytes: seconds for the trainer's copy into a slot and a reader's
+    copy out of it when they run at once. A host slot: GPU->host and host->GPU at once
+    (PCIe is full duplex, though each way slows). A GPU slot: the trainer's fp32->bf16 cast
+    and a GPU->GPU copy at once (both bound by the one GPU's memory)."""
+    import torch
+
+    def pinned() -> Any:
+        return torch.empty(sample, dtype=torch.uint8, pin_memory=True)
+
+    def gpu(n: int = sample, dtype: Any = torch.uint8) -> Any:
+        return torch.empty(n, dtype=dtype, device="cuda")
+
+    host_slot = together_seconds([(pinned(), gpu()), (gpu(), pinned())], repeat)
+    fp32 = torch.full((sample // 2,), 0.1, dtype=torch.float32, device="cuda")
+    gpu_slot = together_seconds([(gpu(sample // 2, torch.bfloat16), fp32), (gpu(), gpu())], repeat)
+    torch.cuda.empty_cache()
+    return {"host_slot_s": host_slot, "gpu_slot_s": gpu_slot}
+
+
 def measure(nbytes: int, device: str, repeat: int = 3) -> dict[str, Any]:
     """Copy rates on this machine, and what they allow for a set of `nbytes` bf16 bytes."""
     import torch
@@ -118,6 +157,11 @@ def measure(nbytes: int, device: str, repeat: int = 3) -> dict[str, Any]:
     copy_gbps = out.get("d2d_gbps", out["memcpy_gbps"])
     out["cast_ms"] = round(nbytes / cast_gbps / 1e6, 2)  # the snapshot: fp32 -> bf16, every tensor at once
     out["apply_copy_ms"] = round(nbytes / copy_gbps / 1e6, 2)  # the apply: one copy of every byte
+    if device != "cpu":  # the slot copy and the pull at once, as a streamed version runs them
+        both = overlapped(sample, repeat)
+        out["both_ways_gbps"] = round(sample / both["host_slot_s"] / 1e9, 2)  # each way, PCIe both ways at once
+        out["overlap_host_slot_ms"] = round(nbytes / sample * both["host_slot_s"] * 1e3, 2)
+        out["overlap_gpu_slot_ms"] = round(nbytes / sample * both["gpu_slot_s"] * 1e3, 2)
     if device != "cpu":
         torch.cuda.empty_cache()
     return out
@@ -137,4 +181,12 @@ def for_path(limits: dict[str, Any], nbytes: int, slot: str, mirror: str) -> dic
         "pull_ms": round(nbytes / pull_gbps / 1e6, 2),
         "apply_pause_ms": limits["apply_copy_ms"],
     }
-    return {"pull_gbps": pull_gbps, "pull": pull, **ms, "publish_to_serving_ms": round(sum(ms.values()), 2)}
+    serial = round(sum(ms.values()), 2)
+    # Streamed, the trainer casts straight into the slot while the reader copies out of it,
+    # so the two copies overlap (at the rate they reach together), then the apply.
+    if mirror == "cpu":
+        overlap = None  # one CPU's memory bandwidth: the stream's gain is its ratio to the serial sum
+    else:
+        key = "overlap_host_slot_ms" if slot == "cpu" else "overlap_gpu_slot_ms"
+        overlap = round(limits[key] + ms["apply_pause_ms"], 2)
+    return {"pull_gbps": pull_gbps, "pull": pull, **ms, "publish_to_serving_ms": serial, "overlapped_ms": overlap}

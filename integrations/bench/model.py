@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
+import attrs
 import torch
 
 from weightpull.transports import list_transports
@@ -53,6 +54,7 @@ async def run(
     versions: int = 3,
     with_baselines: bool = True,
     progress: Callable[[int], Progress] = Progress,
+    stream: bool = True,
 ) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     preset = preset or default_preset(cuda)
@@ -64,9 +66,11 @@ async def run(
     names = list(transports) if transports else runnable()
     setups = []
     for name in names:
-        setups.append(Setup(name, preset, versions, device))
-        if setups[-1].slot != "cpu":  # (fails early, naming a missing extra) a GPU-slot driver reads host slots too
-            setups.append(Setup(name, preset, versions, device, host_slot=True))
+        paths = [Setup(name, preset, versions, device)]
+        if paths[-1].slot != "cpu":  # (fails early, naming a missing extra) a GPU-slot driver reads host slots too
+            paths.append(Setup(name, preset, versions, device, host_slot=True))
+        for path in paths:  # each serially, then streamed (read while written), side by side
+            setups += [path, attrs.evolve(path, stream=True)] if stream else [path]
     todo = {k: why for k, why in baselines.available(cuda).items()} if with_baselines else {}
     tick = progress(1 + len(setups) * (versions + SLOTS) + sum(versions + 1 for why in todo.values() if why is None))
     try:
@@ -89,6 +93,11 @@ async def run(
                     "limits": {**lim, **path},
                 }
             )
+            if setup.stream and results and not results[-1]["stream"]:  # the same path, serially, just before
+                serial = results[-1]
+                r["serial_publish_to_serving_ms"] = serial["publish_to_serving_ms"]
+                r["ratio_to_serial"] = _ratio(r["publish_to_serving_ms"], serial["publish_to_serving_ms"])
+                r["ratio_to_overlapped_limit"] = _ratio(r["publish_to_serving_ms"], path["overlapped_ms"])
             results.append(r)
         base = []
         for kind, why in todo.items():
@@ -136,6 +145,42 @@ def table(r: dict[str, Any]) -> list[str]:
     rows = [["", "publish block", "pull", "apply pause", "publish->serving", "pull/raw", "pull/limit", "exact"]]
     for t in r["transports"]:
         lm = t["limits"]
+        if t.get("stream"):  # the same path read while written: what it gains, and the limit of overlapping
+            rows.append(
+                [
+                    "  streamed (read while written; "
+                    + ", ".join(
+                        f"x{t[k]} of {what}"
+                        for k, what in (
+                            ("ratio_to_serial", "serial"),
+                            ("ratio_to_overlapped_limit", "overlapped limit"),
+                        )
+                        if t.get(k) is not None
+                    )
+                    + ")",
+                    _ms(t["publish_block_ms"]),
+                    _rate(t["pull_gbps"]),
+                    _ms(t["apply_pause_ms"]),
+                    _ms(t["publish_to_serving_ms"]),
+                    "",
+                    "",
+                    "yes" if t["byte_exact"] else "NO",
+                ]
+            )
+            if lm.get("overlapped_ms") is not None:
+                rows.append(
+                    [
+                        "  overlapped limit (slot copy and pull at once, then apply)",
+                        "",
+                        "",
+                        "",
+                        _ms(lm["overlapped_ms"]),
+                        "",
+                        "",
+                        "",
+                    ]
+                )
+            continue
         rows.append(
             [
                 f"weightpull {t['transport']} ({t['slot']} slot -> {t['mirror']} mirror)",
