@@ -1,6 +1,8 @@
 """docs/quickstart.md's two scripts run as written: a trainer and a replica in two
-processes over nixl, on one host, and on two "hosts" (network namespaces joined by a veth
-pair) where every connection must go from the replica to the ports the page names."""
+processes over nixl, on one host (the registry in development mode), and on two "hosts"
+(network namespaces joined by a veth pair), where the page's shell commands run as printed
+(each host's key pair made there, the trainer serving with keys) and every connection
+must go from the replica to the ports the page names."""
 
 from __future__ import annotations
 
@@ -21,6 +23,17 @@ pytestmark = pytest.mark.slow
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "quickstart.md"
 LAST = "replica-0: serving v3, weight[0, 0] = 3"
+# What the scripts must not take from the environment the tests run in.
+CLEARED = ("WEIGHTPULL_REGISTRY", "WEIGHTPULL_SECRET", "WEIGHTPULL_KEY", "WEIGHTPULL_SERVER_KEY")
+# The deprecated shared secret's warnings (server's and client's) fail the scripts: the page
+# shows the ways that replace it.
+NO_SECRET = (
+    "error:serving the registry with a shared secret:DeprecationWarning,error:a shared secret:DeprecationWarning"
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in CLEARED}, "PYTHONWARNINGS": NO_SECRET, **extra}
 
 
 def scripts(directory: Path) -> dict[str, Path]:
@@ -50,11 +63,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_both(trainer: list[str], replica: list[str], env: dict[str, str], *, timeout: float = 120) -> tuple[str, str]:
+def run_both(
+    trainer: list[str],
+    replica: list[str],
+    env: dict[str, str],
+    *,
+    cwd: tuple[Path | None, Path | None] = (None, None),
+    timeout: float = 120,
+) -> tuple[str, str]:
     """Start the trainer, run the replica to its end; both must exit 0. (stdout, stdout)."""
-    t = subprocess.Popen(trainer, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t = subprocess.Popen(trainer, env=env, cwd=cwd[0], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        r = subprocess.run(replica, env=env, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(replica, env=env, cwd=cwd[1], capture_output=True, text=True, timeout=timeout)
         t_out, t_err = t.communicate(timeout=30)
     finally:
         if t.poll() is None:
@@ -68,11 +88,11 @@ def run_both(trainer: list[str], replica: list[str], env: dict[str, str], *, tim
 def test_the_quickstart_runs_as_written_in_two_processes(tmp_path):
     needs_nixl_and_torch()
     files = scripts(tmp_path)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, "WEIGHTPULL_SECRET": secrets.token_hex(16)}
-    env.pop("WEIGHTPULL_REGISTRY", None)
+    address = f"tcp://127.0.0.1:{free_port()}"  # the page's default, 5555, on a port free here
     trainer, replica = run_both(
-        [sys.executable, str(files["trainer.py"]), address], [sys.executable, str(files["replica.py"]), address], env
+        [sys.executable, str(files["trainer.py"]), address],
+        [sys.executable, str(files["replica.py"]), address],
+        clean_env(),
     )
     assert "trainer: published v3" in trainer
     assert replica.strip().splitlines()[-1] == LAST
@@ -80,9 +100,33 @@ def test_the_quickstart_runs_as_written_in_two_processes(tmp_path):
 
 # -- two hosts: network namespaces --------------------------------------------------------------
 
-TRAINER_IP, REPLICA_IP = "10.213.7.1", "10.213.7.2"  # a private range, inside our namespaces only
+# The page's hosts, inside our namespaces only (each has a routing table of its own).
+TRAINER_IP, REPLICA_IP = "10.0.0.1", "10.0.0.2"
 UCX_PORTS = range(41000, 41010)  # the page's UCX_TCP_PORT_RANGE
 REGISTRY_PORT = 5555
+
+
+def two_host_steps() -> list[tuple[str, str]]:
+    """(host, shell lines) of each `# on HOST` part of the "Two hosts" section's shell
+    blocks, in the page's order."""
+    section = PAGE.read_text().split("## Two hosts", 1)[1].split("\n## ", 1)[0]
+    steps: list[tuple[str, str]] = []
+    for block in re.findall(r"```\n(.*?)```", section, re.S):
+        for part in re.split(r"^(?=# on )", block, flags=re.M):
+            host = re.match(r"# on ([\d.]+)", part)
+            assert host or not part.strip(), f"a shell block's part that names no host: {part!r}"
+            if host:
+                steps.append((host.group(1), part))
+    return steps
+
+
+def commands_on_path(directory: Path) -> dict[str, str]:
+    """`python` and `weightpull` as the page's lines call them: this interpreter, first on PATH."""
+    directory.mkdir()
+    for name, argv in (("python", [sys.executable]), ("weightpull", [sys.executable, "-m", "weightpull"])):
+        (directory / name).write_text(f'#!/bin/sh\nexec {" ".join(argv)} "$@"\n')
+        (directory / name).chmod(0o755)
+    return {"PATH": f"{directory}:{os.environ['PATH']}"}
 
 
 def ip(*args: str) -> None:
@@ -130,7 +174,15 @@ def test_the_quickstart_runs_across_two_hosts_through_the_named_ports_only(tmp_p
     needs_nixl_and_torch()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("ss"):
         pytest.skip("network namespaces need root, ip and ss")
-    files = scripts(tmp_path)
+    steps = two_host_steps()
+    assert [host for host, _ in steps] == [TRAINER_IP, REPLICA_IP, TRAINER_IP, REPLICA_IP], steps
+    make_server_key, make_replica_key, trainer_cmd, replica_cmd = (lines for _, lines in steps)
+    hosts = {TRAINER_IP: tmp_path / "trainer-host", REPLICA_IP: tmp_path / "replica-host"}
+    for directory in hosts.values():
+        directory.mkdir()
+        scripts(directory)
+    # One kernel under both namespaces: UCX would read over CMA, never crossing the veth.
+    env = clean_env(UCX_TLS="tcp", **commands_on_path(tmp_path / "bin"))
     try:
         ns = Namespaces()
     except subprocess.CalledProcessError as exc:
@@ -147,19 +199,20 @@ def test_the_quickstart_runs_across_two_hosts_through_the_named_ports_only(tmp_p
     watcher = threading.Thread(target=watch, daemon=True)
     try:
         watcher.start()
-        address = f"tcp://{TRAINER_IP}:{REGISTRY_PORT}"
-        # One kernel under both namespaces: UCX would read over CMA, never crossing the veth.
-        env = {
-            **os.environ,
-            "WEIGHTPULL_SECRET": secrets.token_hex(16),
-            "UCX_TLS": "tcp",
-            "UCX_TCP_PORT_RANGE": f"{UCX_PORTS.start}-{UCX_PORTS.stop - 1}",
-        }
-        env.pop("WEIGHTPULL_REGISTRY", None)
+        # Each host makes its key pair; the public halves are copied across, as the page says.
+        for name, host, lines in (
+            (ns.trainer, TRAINER_IP, make_server_key),
+            (ns.replica, REPLICA_IP, make_replica_key),
+        ):
+            subprocess.run(ns.run(name, ["bash", "-ec", lines]), env=env, cwd=hosts[host], check=True, timeout=60)
+        trainer_keys, replica_keys = hosts[TRAINER_IP] / "keys", hosts[REPLICA_IP] / "keys"
+        shutil.copy(trainer_keys / "registry.key", replica_keys)
+        shutil.copy(replica_keys / "replica-0.key", trainer_keys)
         trainer, replica = run_both(
-            ns.run(ns.trainer, [sys.executable, str(files["trainer.py"]), address]),
-            ns.run(ns.replica, [sys.executable, str(files["replica.py"]), address]),
+            ns.run(ns.trainer, ["bash", "-ec", trainer_cmd]),
+            ns.run(ns.replica, ["bash", "-ec", replica_cmd]),
             env,
+            cwd=(hosts[TRAINER_IP], hosts[REPLICA_IP]),
         )
     finally:
         done.set()
