@@ -4,7 +4,7 @@ starts; a streaming one casts straight into the slot and returns once the copies
 import pytest
 import torch
 
-from weightpull import InProcessRegistry, Puller, PublishError, VersionState
+from weightpull import InProcessRegistry, PublishError, Puller, VersionState
 from weightpull.drivers.fake import FakeTransport
 from weightpull.integrations.torch_snapshot import SnapshotPublisher, spec_of
 from weightpull.integrations.torch_tensors import as_tensors
