@@ -12,9 +12,11 @@ owner makes progress) and deregisters its slots on the way out.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import queue
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -311,6 +313,11 @@ class Publisher:
         landed = 0
         moved = anyio.Event()
 
+        def wake(count: int) -> None:
+            nonlocal landed
+            landed = count
+            moved.set()
+
         async def marker() -> None:
             nonlocal moved
             sent = 0
@@ -321,25 +328,34 @@ class Publisher:
                     sent = landed
                     await registry.mark(manifest.version, sent)
 
-        # Copies are queued as fast as the adapter takes them; each bucket is marked once
-        # its own copy landed (an adapter without `landing` is fenced bucket by bucket).
-        issued, settled = anyio.create_memory_object_stream[tuple[int, Any]](len(by_bucket))
+        # Every bucket's copy is queued as fast as the adapter takes it; one worker thread
+        # waits for each in order (a thread per bucket would cost more than the copies).
+        waits: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
 
-        async def settle() -> None:
-            nonlocal landed
-            async for bucket, wait in settled:
-                await (adapter.fence() if wait is None else wait())
-                landed = bucket + 1
-                moved.set()
+        def wait_in_order() -> None:
+            while (item := waits.get()) is not None:
+                bucket, wait = item
+                wait()
+                anyio.from_thread.run_sync(wake, bucket + 1)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(marker)
             async with anyio.create_task_group() as copies:
-                copies.start_soon(settle)
-                async with issued:
+                waiting = False
+                try:
                     for bucket in sorted(by_bucket):
                         await adapter.write(by_bucket[bucket], region)
-                        issued.send_nowait((bucket, landing(adapter)))
+                        wait = landing(adapter)
+                        if wait is None:  # no way to wait for one bucket alone: fence it here
+                            await adapter.fence()
+                            wake(bucket + 1)
+                            continue
+                        if not waiting:
+                            copies.start_soon(functools.partial(anyio.to_thread.run_sync, wait_in_order))
+                            waiting = True
+                        waits.put((bucket, wait))
+                finally:
+                    waits.put(None)
             tg.cancel_scope.cancel()  # every bucket landed; the commit tells readers the rest
 
     def _prepare(

@@ -9,7 +9,7 @@ slot, then fences. `HostTensor` is the framework-free form; torch tensors go thr
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import anyio.lowlevel
@@ -45,12 +45,13 @@ class TensorAdapter(Protocol):
         """Return once every copy `write` issued has landed."""
 
 
-def landing(adapter: TensorAdapter) -> Callable[[], Awaitable[None]] | None:
-    """What waits for the copies `adapter` issued so far, and no later ones: an adapter's
-    `landing()` if it has one (a CUDA event recorded now), so that a streaming publisher
-    can queue every bucket's copy and mark each as it lands; else None (then `fence`)."""
+def landing(adapter: TensorAdapter) -> Callable[[], None] | None:
+    """What waits, blocking (a publisher calls it in a worker thread), for the copies
+    `adapter` issued so far and no later ones: its `landing()` if it has one (a CUDA
+    event recorded now), so that a streaming publisher can queue every bucket's copy and
+    mark each as it lands; else None (then `fence`, bucket by bucket)."""
     method = getattr(adapter, "landing", None)
-    return None if method is None else cast(Callable[[], Awaitable[None]], method())
+    return None if method is None else cast(Callable[[], None], method())
 
 
 @attrs.frozen

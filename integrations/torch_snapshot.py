@@ -18,7 +18,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import anyio.from_thread
@@ -95,11 +95,11 @@ class _Landed:
         await self.inner.fence()
         self._done()
 
-    def landing(self) -> Callable[[], Awaitable[None]]:
+    def landing(self) -> Callable[[], None]:
         wait, last = self.inner.landing(), self.left == 0
 
-        async def landed() -> None:
-            await wait()
+        def landed() -> None:
+            wait()
             if last:
                 self._done()
 

@@ -4,7 +4,7 @@ of a mirror as tensors. The only module of the core's path that imports torch.""
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import torch
@@ -75,17 +75,15 @@ class TorchAdapter:
         for event in pending:
             await anyio.to_thread.run_sync(event.synchronize)
 
-    def landing(self) -> Callable[[], Awaitable[None]]:
-        """What waits for the copies issued so far (the last one's event), and no later:
-        a streaming publisher marks each bucket once its own copies landed."""
+    def landing(self) -> Callable[[], None]:
+        """What blocks until the copies issued so far landed (the last one's event), and
+        no later: a streaming publisher marks each bucket once its own copies landed."""
         pending, self._pending = self._pending, []  # one stream: the last event lands last
-        last = pending[-1] if pending else None
+        return pending[-1].synchronize if pending else _nothing
 
-        async def wait() -> None:
-            if last is not None:
-                await anyio.to_thread.run_sync(last.synchronize)
 
-        return wait
+def _nothing() -> None:
+    """Host copies land before `write` returns: nothing to wait for."""
 
 
 # -- fingerprints: is this the same bytes, wherever it lives --------------------------------
