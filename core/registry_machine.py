@@ -577,11 +577,18 @@ class RegistryMachine:
                 if record.state in (VersionState.ABORTED, VersionState.RETIRED) and not self._live_leases(record):
                     self._drop(record)
 
+    def sweep(self) -> None:
+        """Act on every liveness that lapsed by now. Each operation does so first; a
+        served registry also calls it on a timer, so a dead publisher's versions end on
+        time even when nobody asks anything."""
+        self._sweep()
+
     def _sweep(self) -> None:
         """End what principals whose liveness lapsed leave behind."""
         if self.liveness_ttl is None:
             return
         now = self.clock.now()
+        ended = False
         for name, expires in self._alive.items():
             if expires > now or name in self._lapsed:
                 continue
@@ -595,12 +602,16 @@ class RegistryMachine:
                 if record.state.being_written:
                     self._move(record, VersionEvent.ABORT)
                     record.reason = why
+                    ended = True
                 elif record.state is VersionState.READY:
                     self._move(record, VersionEvent.RETIRE)
                     record.reason = f"withdrawn: {why}"
                     if self._newest_ready == record.version:
                         self._newest_ready = None
                     log.warning("withdrew v%s: %s", record.version, why)
+                    ended = True
+        if ended:  # readers waiting on an ended stream are told now, not at their long poll's end
+            self._changed()
 
     def _why_none_ready(self) -> str:
         withdrawn = [v for v in self._versions.values() if v.state is VersionState.RETIRED and v.reason]

@@ -7,8 +7,8 @@ with a key per principal (issue 13, item 6). The trainer runs tests/trust_publis
   naming it, an update agent keeps serving what it has, neither looping nor failing;
   restarted under the same principal, the trainer continues the numbering (its manifest
   records the step it asked) and its next version is pulled bit-exact. A reader streaming
-  the dead version meanwhile is told late (xfail: LAPSE_WAKES_NO_WAITER, and the smallest
-  form of it in one process).
+  the dead version meanwhile is told as it ends, not at its long poll's end (and the
+  smallest form of that, in one process).
 - A flood of random well-formed requests, every operation of the protocol, from a second
   authenticated client of each role (`replica-evil`, `rogue`) while a trainer publishes and
   a replica pulls: every refusal is typed, the server lives, nothing of the others' moves
@@ -251,14 +251,6 @@ async def test_a_publisher_killed_mid_copy_ends_its_versions_and_comes_back_numb
         served.stop()
 
 
-LAPSE_WAKES_NO_WAITER = (
-    "bug: a lapse ends the dead publisher's version in RegistryMachine._sweep, which never calls _changed(), so "
-    "a reader waiting in wait_for_buckets on that version is not woken: it learns only when its long-poll "
-    "times out (the client's wait_poll, 10 s by default; the server holds one up to 30 s)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=LAPSE_WAKES_NO_WAITER)
 @pytest.mark.skipif(not NIXL, reason="the nixl driver is not available here")
 async def test_a_reader_streaming_from_a_publisher_killed_mid_copy_is_told_within_the_ttl(tmp_path):
     from .trust_publisher import SIZES, STALL_AFTER
@@ -307,7 +299,6 @@ async def test_a_reader_streaming_from_a_publisher_killed_mid_copy_is_told_withi
         served.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=LAPSE_WAKES_NO_WAITER)
 async def test_a_lapse_wakes_a_reader_waiting_on_the_dead_publishers_stream():
     """The smallest form of the defect above, in one process."""
     from weightpull import InProcessRegistry, Manifest, plan_layout

@@ -254,6 +254,8 @@ class RegistryServer:
                     raise RegistryError(f"cannot bind {self.bind}: {exc}") from None
                 self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
                 task_status.started(self.endpoint)
+                if self.machine.liveness_ttl is not None:
+                    tg.start_soon(self._sweep, min(self.machine.liveness_ttl / 4, 1.0))
                 while True:
                     parts = await sock.recv_multipart(copy=False)
                     peer, frames = parts[0].bytes, [f.bytes for f in parts[1:]]
@@ -347,6 +349,13 @@ class RegistryServer:
             tg.start_soon(self._wait, sock, peer, req, who)
         else:
             await self._answer(sock, peer, req, op.mutates, who)
+
+    async def _sweep(self, every: float) -> None:
+        """End a dead publisher's versions on time though nobody asks anything (each
+        request sweeps first anyway)."""
+        while True:
+            await anyio.sleep(every)
+            self.machine.sweep()
 
     async def _answer(
         self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, cache: bool, who: Principal
