@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -137,16 +138,42 @@ class _LayoutForm:
     signature: str
 
 
+# A model's layout crosses the wire with every manifest (a stream's twice), and checking and
+# re-planning thousands of tensors takes milliseconds: each side keeps the last few it
+# made or checked, keyed by their exact wire form, so the same layout is done once.
+_LAYOUTS_KEPT = 8
+_forms: OrderedDict[str, dict[str, Any]] = OrderedDict()  # signature -> wire form
+_planned: OrderedDict[str, Layout] = OrderedDict()  # wire form, as JSON -> layout
+
+
+def _keep(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
+    cache[key] = value
+    while len(cache) > _LAYOUTS_KEPT:
+        cache.popitem(last=False)
+
+
 def _unstructure_layout(layout: Layout) -> dict[str, Any]:
-    tensors = tuple((s.name, s.dtype, s.shape) for s in layout.specs)
-    return schema.as_object(_LayoutForm(tensors, layout.bucket_bytes, layout.align, layout.signature), _LayoutForm)
+    form = _forms.get(layout.signature)
+    if form is None:
+        tensors = tuple((s.name, s.dtype, s.shape) for s in layout.specs)
+        form = schema.as_object(_LayoutForm(tensors, layout.bucket_bytes, layout.align, layout.signature), _LayoutForm)
+        _keep(_forms, layout.signature, form)
+    return dict(form)  # its tensor list is shared: wire forms are encoded, never edited
 
 
 def _structure_layout(data: Any, _: type) -> Layout:
+    try:
+        key = json.dumps(data, separators=(",", ":"))
+    except (TypeError, ValueError):  # not a wire form at all: the strict check below says why
+        key = None
+    if key is not None and (layout := _planned.get(key)) is not None:
+        return layout  # this exact form was checked and planned before
     form = schema.converter.structure(data, _LayoutForm)
     layout = plan_layout([TensorSpec(*t) for t in form.tensors], bucket_bytes=form.bucket_bytes, align=form.align)
     if layout.signature != form.signature:
         raise InvalidArgumentError(f"layout signature mismatch: planned {layout.signature}, sent {form.signature}")
+    if key is not None:
+        _keep(_planned, key, layout)
     return layout
 
 

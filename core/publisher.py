@@ -300,13 +300,12 @@ class Publisher:
     async def _stream(
         self, manifest: Manifest, adapter: TensorAdapter, writes: list[tuple[Any, Placement]], region: Region
     ) -> None:
-        """Copy bucket by bucket, fencing each, while a marker tells the registry how
-        many have landed: one mark in flight at a time, carrying the newest count, so
-        marks batch themselves to the pace the registry answers at."""
+        """Copy bucket by bucket while a marker announces the stream, then tells the
+        registry how many buckets have landed: one mark in flight at a time, carrying the
+        newest count, so marks batch themselves to the pace the registry answers at."""
         registry = self.registry
         if not isinstance(registry, StreamingRegistry):
             raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
-        await registry.stream(manifest)
         by_bucket: dict[int, list[tuple[Any, Placement]]] = {}
         for value, placement in writes:
             by_bucket.setdefault(placement.bucket, []).append((value, placement))
@@ -320,6 +319,7 @@ class Publisher:
 
         async def marker() -> None:
             nonlocal moved
+            await registry.stream(manifest)  # while the first copies run: they need no word from the registry
             sent = 0
             while True:
                 await moved.wait()
