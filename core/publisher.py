@@ -46,6 +46,9 @@ from .transport import Region, Transport
 log = logging.getLogger(__name__)
 
 
+_MARK_POLL = 5e-4  # seconds between a streaming publisher's looks at the buckets landed
+
+
 class WhenFull(enum.Enum):
     """What `publish` does when every slot holds a leased or newest version."""
 
@@ -322,26 +325,31 @@ class Publisher:
             await registry.stream(manifest)  # while the first copies run: they need no word from the registry
             sent = 0
             while True:
-                await moved.wait()
-                moved = anyio.Event()
                 if landed > sent:
                     sent = landed
                     await registry.mark(manifest.version, sent)
+                    continue
+                # Woken by a bucket fenced here, or, for the worker thread's, at the next look.
+                with anyio.move_on_after(_MARK_POLL if waiting else None):
+                    await moved.wait()
+                moved = anyio.Event()
 
         # Every bucket's copy is queued as fast as the adapter takes it; one worker thread
-        # waits for each in order (a thread per bucket would cost more than the copies).
+        # waits for each in order and counts it landed, never calling into the event loop
+        # (a call per bucket would cost more than the copies).
         waits: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
 
         def wait_in_order() -> None:
+            nonlocal landed
             while (item := waits.get()) is not None:
                 bucket, wait = item
                 wait()
-                anyio.from_thread.run_sync(wake, bucket + 1)
+                landed = bucket + 1
 
+        waiting = False  # whether the worker thread counts the buckets landed
         async with anyio.create_task_group() as tg:
             tg.start_soon(marker)
             async with anyio.create_task_group() as copies:
-                waiting = False
                 try:
                     for bucket in sorted(by_bucket):
                         await adapter.write(by_bucket[bucket], region)
