@@ -118,12 +118,15 @@ class InProcessRegistry:
         self.clock: Clock = clock or MonotonicClock()
         self.machine = machine or RegistryMachine(self.clock, max_ttl=max_ttl, liveness_ttl=liveness_ttl)
         self.principal = principal
+        self._waiters: InProcessRegistry = self  # whose event waiters wait on: one per machine
         self.machine.watch(self._wake)
         self._changed: anyio.Event | None = None  # made lazily: needs a running loop
 
     def as_principal(self, principal: Principal) -> InProcessRegistry:
-        """This registry, acting as `principal`."""
-        return InProcessRegistry(self.clock, principal=principal, machine=self.machine)
+        """This registry, acting as `principal` (its waiters wake with this one's)."""
+        view = InProcessRegistry.__new__(InProcessRegistry)
+        view.clock, view.machine, view.principal, view._waiters = self.clock, self.machine, principal, self._waiters
+        return view
 
     @property
     def max_ttl(self) -> float:
@@ -231,9 +234,10 @@ class InProcessRegistry:
         await self.aclose()
 
     def _event(self) -> anyio.Event:
-        if self._changed is None:
-            self._changed = anyio.Event()
-        return self._changed
+        waiters = self._waiters
+        if waiters._changed is None:
+            waiters._changed = anyio.Event()
+        return waiters._changed
 
     def _wake(self) -> None:
         """Wake every waiter, whoever drove the machine to change."""

@@ -252,3 +252,22 @@ async def test_a_restarted_publisher_continues_under_its_name(trainer, clock):
     assert result.version == 13 and result.manifest.step == 0
     states = {v.version: v.state for v in (await trainer.status()).versions}
     assert states[13] is VersionState.READY and states[12] is VersionState.ABORTED
+
+
+async def test_faces_as_other_principals_share_one_waiting_room(reg, trainer):
+    """A face per principal (the server makes one per request) adds no watcher to the
+    machine, and a waiter on any face wakes when another face announces."""
+    import anyio
+
+    faces = [reg.as_principal(Principal.reader(f"r{i}")) for i in range(100)]
+    assert len(reg.machine._watchers) == 1
+    got = []
+
+    async def wait():
+        got.append((await faces[7].wait_for_version(1, timeout=5)).version)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.sleep(0.01)
+        await publish(trainer, 1, 0)
+    assert got == [1]

@@ -445,8 +445,7 @@ class RegistryServer:
     async def _wait_for_buckets(self, a: dict[str, Any], by: Principal) -> Any:
         self.machine.keepalive((), by=by)
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        registry = self.registry.as_principal(by)
-        return (await registry.wait_for_buckets(a["version"], a["at_least"], timeout)).to_dict()
+        return (await self.registry.wait_for_buckets(a["version"], a["at_least"], timeout)).to_dict()
 
 
 _WAITS = ("wait_for_version", "wait_for_buckets")  # answered from a task of their own
