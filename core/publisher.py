@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import attrs
 
 from .clock import Clock, MonotonicClock
@@ -352,6 +353,7 @@ class Publisher:
             async with anyio.create_task_group() as copies:
                 try:
                     for bucket in sorted(by_bucket):
+                        await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
                         await adapter.write(by_bucket[bucket], region)
                         wait = landing(adapter)
                         if wait is None:  # no way to wait for one bucket alone: fence it here

@@ -448,17 +448,12 @@ class Puller:
         if version in self._manifests:
             return self._manifests[version]
         manifest = await self.registry.get(version)
-        if self.stream and (await self._state(version)) is not VersionState.READY:
+        if self.stream and manifest.digests is None:  # maybe a stream's, whose digests may come yet
             return manifest
         self._manifests[version] = manifest
         while len(self._manifests) > 4:
             self._manifests.popitem(last=False)
         return manifest
-
-    async def _state(self, version: int) -> VersionState:
-        registry = self.registry
-        assert isinstance(registry, StreamingRegistry)
-        return (await registry.progress(version)).state
 
     def _mirror_for(self, layout: Layout) -> Region:
         """The registered mirror. A new layout signature means the model changed shape;

@@ -45,6 +45,20 @@ class TorchAdapter:
     def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
         self.stream = stream
         self._pending: list[torch.cuda.Event] = []
+        # Each slot's typed views, made once: a model's hundreds of views cost milliseconds
+        # per publish otherwise. Keyed by the region itself, so a new one starts afresh.
+        self._views: dict[int, tuple[Region, dict[Placement, torch.Tensor]]] = {}
+
+    def _view(self, region: Region, placement: Placement) -> torch.Tensor:
+        kept = self._views.get(id(region))
+        if kept is None or kept[0] is not region:
+            if len(self._views) >= 8:  # slots come and go with a model that outgrew them
+                self._views.clear()
+            kept = self._views[id(region)] = (region, {})
+        view = kept[1].get(placement)
+        if view is None:
+            view = kept[1][placement] = tensor_at(region, placement)
+        return view
 
     def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
         if not isinstance(value, torch.Tensor):
@@ -59,7 +73,7 @@ class TorchAdapter:
             with torch.no_grad():
                 for value, placement in items:
                     if placement.spec.nbytes:
-                        tensor_at(region, placement).copy_(value.detach(), non_blocking=on_device)
+                        self._view(region, placement).copy_(value.detach(), non_blocking=on_device)
 
         if on_device:
             with torch.cuda.stream(self.stream):
