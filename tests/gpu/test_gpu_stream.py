@@ -46,4 +46,6 @@ def test_a_streamed_publish_from_the_gpu_lands_whole_before_it_returns(slot):
             got = as_tensors(pulled.layout, pulled.region)
             for name, w in want.items():
                 assert torch.equal(got[name], w), name
-        assert len(pulled.layout.buckets) > 8 and marks and marks == sorted(marks)
+        # Marks only grow (copies this small may all land before the first look: then the
+        # commit alone says so).
+        assert len(pulled.layout.buckets) > 8 and marks == sorted(marks)
