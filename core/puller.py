@@ -38,6 +38,7 @@ from .errors import (
 )
 from .layout import Layout
 from .manifest import Manifest, bucket_digest
+from .principals import Principal
 from .registry import Lease, Registry, StreamingRegistry
 from .states import VersionState
 from .transport import Region, Remote, Transport
@@ -125,6 +126,16 @@ class Pulled:
         return self.region.host_view()[p.offset : p.end]
 
 
+def _default_holder(registry: Registry) -> str:
+    """A holder name for a puller that gives none: below its registry's principal's own
+    name, where a served registry lets a reader hold leases; else a fresh one."""
+    principal = getattr(registry, "principal", None)
+    suffix = f"puller-{uuid.uuid4().hex[:8]}"
+    if isinstance(principal, Principal) and not principal.is_admin:
+        return f"{principal.name}/{suffix}"
+    return suffix
+
+
 class Puller:
     def __init__(
         self,
@@ -171,7 +182,7 @@ class Puller:
             raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
-        self.holder = holder or f"puller-{uuid.uuid4().hex[:8]}"
+        self.holder = holder or _default_holder(registry)
         self.ttl = ttl
         self.renew_every = renew_every or ttl / 3
         if not 0 < self.renew_every < ttl:  # else every read longer than the TTL is torn

@@ -15,6 +15,7 @@ from weightpull import (
     NoReadyVersionError,
     Publisher,
     PublishError,
+    Puller,
     VersionState,
     VersionStateError,
 )
@@ -271,3 +272,12 @@ async def test_faces_as_other_principals_share_one_waiting_room(reg, trainer):
         await anyio.sleep(0.01)
         await publish(trainer, 1, 0)
     assert got == [1]
+
+
+def test_a_puller_and_a_publisher_that_give_no_name_take_one_their_principal_owns(reg):
+    replica = reg.as_principal(Principal.reader("replica-3"))
+    puller = Puller(replica, FakeTransport())
+    assert puller.holder.startswith("replica-3/puller-")
+    assert Principal.reader("replica-3").owns(puller.holder)
+    assert Puller(reg, FakeTransport()).holder.startswith("puller-")  # an admin's: any name
+    assert Publisher(reg.as_principal(Principal.publisher("trainer")), FakeTransport()).name == "trainer"
