@@ -333,8 +333,10 @@ class RegistryMachine:
             owner = None if by.is_admin else by.name
             found = self._find_sharded(owner, version)
             if found is None:  # before any shard began: a tombstone its siblings will find
-                number = self._number(version, by)  # as a begin numbers it: bounded, never reused
-                self._highest_begun = number
+                # Numbered as a begin would be (bounded, never a number used before), but not
+                # counted as begun: a restarted registry takes replayed aborts before the
+                # older versions that were READY, which must keep their numbers.
+                number = self._number(version, by)
                 self._versions[number] = _Version(
                     number,
                     "",
