@@ -500,12 +500,12 @@ def _table(rows: list[list[str]]) -> list[str]:
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table `status` shows, plain or live: each publisher's
     newest version (its state, age and how long its liveness has left), every version with
-    the reason it was aborted or withdrawn, the live leases, what each replica serves, and
+    the reason it was aborted or withdrawn (and, streaming, the buckets committed so far), the live leases, what each replica serves, and
     each principal's liveness (how long until the registry takes it for dead)."""
     versions = [
         [
             f"v{v.version}",
-            str(v.state),
+            str(v.state) if v.committed is None else f"{v.state} ({v.committed} buckets committed)",
             v.publisher,
             str(v.slot),
             _size(v.nbytes),
