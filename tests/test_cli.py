@@ -138,3 +138,15 @@ def test_demo_refuses_bad_arguments():
         proc.returncode == 2
         and proc.stderr == "error: argument --replicas: must be at least 2, got 1 (see weightpull demo --help)\n"
     )
+
+
+def test_status_shows_a_streaming_versions_buckets_committed():
+    from weightpull.integrations.cli import _status_sections
+    from weightpull.records import RegistryStatus, VersionInfo
+    from weightpull.states import VersionState
+
+    streaming = VersionInfo(4, VersionState.STREAMING, "trainer", 0, 1 << 20, 0.5, 1, committed=3)
+    ready = VersionInfo(3, VersionState.READY, "trainer", 1, 1 << 20, 9.0, 0)
+    sections = dict((title, rows) for title, _, rows in _status_sections(RegistryStatus(3, (ready, streaming), (), {})))
+    states = [row[1] for row in sections["versions"]]
+    assert states == ["READY", "STREAMING (3 buckets committed)"]
