@@ -72,6 +72,8 @@ class Principal(schema.Record):
         return self.is_admin or name == self.name or name.startswith(self.name + "/")
 
     def __str__(self) -> str:
+        if self.is_admin and self.name == "admin":
+            return "admin"
         return f"{self.role} {self.name}"
 
 
