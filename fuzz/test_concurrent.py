@@ -4,7 +4,9 @@ which also fails the run if all wait with no timer pending: a hang).
 
 Hypothesis draws each actor's program; the interleaving is whatever the awaits make of
 it: publishes whose copy yields between tensors, reads paced by slow links and renewing
-their leases, readers that freeze or die mid-read, leases held past their TTL. The same
+their leases, readers that freeze or die mid-read, leases held past their TTL. Trainers
+and readers stream or not (drawn per scenario), so streamed reads meet the same faults
+and streams aborted under their readers. The same
 model and observers as the state machine check every step, and nothing may leak.
 """
 
@@ -50,6 +52,7 @@ class Hold:
     pause: float
     hold: float  # holds a lease on the newest version this long, never renewing it
     release: bool  # else abandons it
+    streaming: bool = False  # the newest READY or STREAMING version
 
 
 @attrs.frozen
@@ -66,6 +69,10 @@ class Scenario:
     readers: tuple[tuple[float | None, tuple[Pull, ...]], ...]  # (bandwidth, pulls)
     hoarder: tuple[Hold, ...]
     waiter: tuple[Wait, ...]
+    # Which trainers publish streamed (`Publisher(stream=True)`) and which readers pull
+    # streamed (`Puller(stream=True)`), by index; those left out do not.
+    trainer_streams: tuple[bool, ...] = ()
+    reader_streams: tuple[bool, ...] = ()
 
 
 publishes = st.builds(
@@ -98,15 +105,22 @@ scenarios = st.builds(
         max_size=2,
     ).map(tuple),
     st.lists(st.tuples(links, st.lists(pulls, min_size=1, max_size=6).map(tuple)), min_size=1, max_size=3).map(tuple),
-    st.lists(st.builds(Hold, half_seconds, half_seconds.map(lambda s: 2 * s), st.booleans()), max_size=4).map(tuple),
+    st.lists(
+        st.builds(Hold, half_seconds, half_seconds.map(lambda s: 2 * s), st.booleans(), st.booleans()), max_size=4
+    ).map(tuple),
     st.lists(st.builds(Wait, half_seconds, st.integers(0, 2), half_seconds.map(lambda s: 2 * s)), max_size=4).map(
         tuple
     ),
+    st.lists(st.booleans(), min_size=2, max_size=2).map(tuple),
+    st.lists(st.booleans(), min_size=3, max_size=3).map(tuple),
 )
 
 
-async def trainer(world: World, publisher: Publisher, copy_seconds: float, program: tuple[Publish, ...]) -> None:
+async def trainer(
+    world: World, publisher: Publisher, copy_seconds: float, program: tuple[Publish, ...], stream: bool = False
+) -> None:
     publisher.adapter.seconds = copy_seconds
+    publisher.stream = stream
     for step in program:
         await world.clock.sleep(step.pause)
         await world.publish(step.layout, step.when_full, step.crash, publisher)
@@ -115,8 +129,8 @@ async def trainer(world: World, publisher: Publisher, copy_seconds: float, progr
         await world.check(publishing=len(world.publishers) > 1)
 
 
-async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...]) -> None:
-    process = world.reader()
+async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...], stream: bool = False) -> None:
+    process = world.reader(stream)
     for step in program:
         await world.clock.sleep(step.pause)
         world.arm(process, step.fault, bandwidth)
@@ -140,7 +154,7 @@ async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...
             world.check_pull(process, run)
         if process.link.dead:  # a new process takes its place
             await process.transport.aclose()
-            process = world.reader()
+            process = world.reader(stream)
         process.clock.thaw()
         await world.check(publishing=True)
 
@@ -160,9 +174,9 @@ async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
     for step in program:
         await world.clock.sleep(step.pause)
         try:
-            lease = await link.acquire(ttl=TTL, holder="hoarder")
+            lease = await link.acquire(ttl=TTL, holder="hoarder", streaming=step.streaming)
         except NoReadyVersionError:
-            assert world.model.newest is None
+            assert world.model.newest is None and not (step.streaming and world.model.streaming())
             continue
         await world.clock.sleep(step.hold)
         if step.release:
@@ -193,10 +207,14 @@ async def play(scenario: Scenario) -> None:
 
     async def actors() -> None:
         async with anyio.create_task_group() as tg:
-            for publisher, (copy_seconds, program) in zip(world.publishers, scenario.trainers, strict=True):
-                tg.start_soon(trainer, world, publisher, copy_seconds, program)
-            for bandwidth, program in scenario.readers:
-                tg.start_soon(reader, world, bandwidth, program)
+            for i, (publisher, (copy_seconds, program)) in enumerate(
+                zip(world.publishers, scenario.trainers, strict=True)
+            ):
+                stream = i < len(scenario.trainer_streams) and scenario.trainer_streams[i]
+                tg.start_soon(trainer, world, publisher, copy_seconds, program, stream)
+            for i, (bandwidth, program) in enumerate(scenario.readers):
+                stream = i < len(scenario.reader_streams) and scenario.reader_streams[i]
+                tg.start_soon(reader, world, bandwidth, program, stream)
             tg.start_soon(hoarder, world, scenario.hoarder)
             tg.start_soon(waiter, world, scenario.waiter)
 

@@ -3,7 +3,10 @@ one `RegistryMachine` on a fake clock that passes the liveness TTL, so principal
 and come back. Besides their own work they try hostile acts: another's version retired,
 reclaimed, aborted or committed, another's lease (its id read from `status`) renewed or
 released, a lease or a serving report under another's name, numbers begun far ahead or
-onto numbers others ask, shard tombstones far ahead.
+onto numbers others ask, shard tombstones far ahead. Publishers also stream versions
+(`stream`, then `mark` buckets: more, the same again, fewer, too many, of a version not
+STREAMING) and commit them with the manifest streamed, with digests, or another (refused);
+readers acquire plainly or streaming, and `progress` must say what was marked.
 
 Each step is one plain call. The machine takes `status` before and after it and holds
 every difference to who acted (`Machine.explain`): nobody changes another principal's
@@ -29,6 +32,7 @@ from weightpull.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
     VersionInUseError,
+    VersionNotFoundError,
     VersionOrderError,
     VersionStateError,
 )
@@ -51,6 +55,7 @@ PRINCIPALS = {
 }
 ACTORS = sorted(n for n in PRINCIPALS if n != "admin")
 LAYOUT = plan_layout([TensorSpec("w", "uint8", (4,))])
+STREAMED = plan_layout([TensorSpec(f"w{i}", "uint8", (4,)) for i in range(4)], bucket_bytes=4)  # 4 buckets
 ALIVE_STATES = (VersionState.WRITING, VersionState.STREAMING, VersionState.READY)
 
 # Defects found here and shown by tests/test_authority_regressions.py (xfail until fixed in
@@ -72,6 +77,7 @@ class Snap:
     leases: dict[str, tuple[int, str, float]]
     serving: dict[str, int]
     alive: dict[str, float]
+    committed: dict[int, int]  # a STREAMING version's buckets marked
 
     @classmethod
     def of(cls, status: RegistryStatus) -> Snap:
@@ -81,6 +87,7 @@ class Snap:
             {x.id: (x.version, x.holder, x.expires_in) for x in status.leases},
             dict(status.serving),
             dict(status.alive),
+            {v.version: v.committed for v in status.versions if v.committed is not None},
         )
 
 
@@ -111,6 +118,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
         self.tombs: dict[int, str] = {}  # a shard's tombstone (no publisher yet) -> who left it
         self.tomb_asked: dict[int, int] = {}
         self.given_up: set[tuple[str, int]] = set()  # (publisher, step) a shard aborted by number
+        self.manifests: dict[int, Manifest] = {}  # what each version streamed or committed
+        self.marks: dict[int, int] = {}  # a streamed version's buckets marked
         self.snap = self.look()
 
     # -- the model's view ------------------------------------------------------------------
@@ -206,11 +215,17 @@ class PrincipalsMachine(RuleBasedStateMachine):
                     (VersionState.STREAMING, VersionState.ABORTED),
                 ):
                     assert "lapsed" in a[3], f"v{v} of lapsed {owner} aborted without the reason: {a}"
+                    note(f"lapse: a {b[0]} version aborted")
                     continue
                 if (b[0], a[0]) == (VersionState.READY, VersionState.RETIRED):
                     assert "withdrawn" in a[3], f"v{v} of lapsed {owner} withdrawn without the reason: {a}"
                     continue
             raise AssertionError(f"{what} changed v{v} of {owner!r}: {b} -> {a}")
+        for v in sorted(before.committed.keys() & after.committed.keys()):
+            if before.committed[v] != after.committed[v]:  # only its owner's (or an admin's) mark moves it
+                owner = root(after.versions[v][1])
+                ok = by is not None and not refused and op == "mark" and (admin or owner == who)
+                assert ok, f"{what} moved v{v}'s marks {before.committed[v]} -> {after.committed[v]}"
         if before.newest is not None and after.newest != before.newest:
             owner = root(before.versions[before.newest][1])
             if after.newest is None:  # withdrawn: by its owner or an admin, or its owner lapsed
@@ -356,12 +371,12 @@ class PrincipalsMachine(RuleBasedStateMachine):
         if v is None:
             return
         _, publisher, slot, _ = self.snap.versions[v]
-        outcome = self.act(
-            who, "commit", lambda by: self.m.commit(Manifest(v, LAYOUT, "fake", b"d", slot, publisher), by=by)
-        )
+        manifest = Manifest(v, LAYOUT, "fake", b"d", slot, publisher)
+        outcome = self.act(who, "commit", lambda by: self.m.commit(manifest, by=by))
         if outcome is None:
             assert v > self.announced, f"v{v} announced after v{self.announced}"
             self.announced = v
+            self.manifests[v] = manifest
         else:
             assert isinstance(outcome, VersionOrderError) and v < self.announced, f"commit of v{v}: {outcome!r}"
 
@@ -375,15 +390,125 @@ class PrincipalsMachine(RuleBasedStateMachine):
                 leased = any(x.lease.version == v for x in self.live_leases().values())
                 assert leased or self.snap.versions[v][0] in ALIVE_STATES, f"reclaim of v{v}: {outcome!r}"
 
+    # -- streams ---------------------------------------------------------------------------
+
+    def streaming(self, owner: str | None = None) -> list[int]:
+        return self.versions(owner, (VersionState.STREAMING,))
+
+    @rule(who=st.sampled_from(PUBLISHERS), n=picks)
+    def stream(self, who: str, n: int) -> None:
+        """A publisher streams a version of its own that it began (WRITING -> STREAMING):
+        its manifest, of 4 buckets, so that readers who opt in may read it as it is marked."""
+        v = pick([v for v in self.versions(who, (VersionState.WRITING,)) if "/" not in self.snap.versions[v][1]], n)
+        if v is None:
+            return
+        _, publisher, slot, _ = self.snap.versions[v]
+        manifest = Manifest(v, STREAMED, "fake", b"s", slot, publisher)
+        outcome = self.act(who, "stream", lambda by: self.m.stream(manifest, by=by))
+        if outcome is None:
+            assert self.snap.versions[v][0] is VersionState.STREAMING
+            self.manifests[v], self.marks[v] = manifest, 0
+        else:  # only an older version than one announced is refused
+            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"stream of v{v}: {outcome!r}"
+            assert self.snap.versions[v][0] is VersionState.WRITING
+
+    @rule(
+        who=st.sampled_from(PUBLISHERS),
+        n=picks,
+        how=st.sampled_from(["grow", "grow", "all", "same", "shrink", "past", "not streaming"]),
+    )
+    def mark(self, who: str, n: int, how: str) -> None:
+        """A publisher marks buckets of its own stream: more (up to all), the same again,
+        fewer (refused), more than there are (refused), or of a version not STREAMING
+        (refused). A refused mark changes nothing."""
+        if how == "not streaming":
+            v = pick([v for v in self.versions(who) if self.snap.versions[v][0] is not VersionState.STREAMING], n)
+        else:
+            v = pick(self.streaming(who), n)
+        if v is None:
+            return
+        total = len(STREAMED.buckets)
+        had = self.marks.get(v, 0)
+        count = {
+            "grow": min(total, had + 1 + n % 2),
+            "all": total,
+            "same": had,
+            "shrink": had - 1,
+            "past": total + 1 + n % 3,
+            "not streaming": 1,
+        }[how]
+        if count < 0:
+            return
+        back = self.dead(who)  # heard from again, a lapsed publisher's dead versions go
+        outcome = self.act(who, "mark", lambda by: self.m.mark(v, count, by=by))
+        if how == "not streaming":
+            gone = back and isinstance(outcome, VersionNotFoundError)
+            assert gone or isinstance(outcome, VersionStateError), f"a mark of v{v}, not STREAMING: {outcome!r}"
+        elif had <= count <= total:
+            assert outcome is None, f"v{v} marked {count} after {had} of {total}: {outcome!r}"
+            self.marks[v] = count
+        else:
+            assert isinstance(outcome, InvalidArgumentError), f"v{v} marked {count} after {had}: {outcome!r}"
+
+    @rule(who=st.sampled_from(PUBLISHERS), n=picks, how=st.sampled_from(["same", "digests", "other", "moved"]))
+    def commit_a_stream(self, who: str, n: int, how: str) -> None:
+        """A publisher commits its stream (STREAMING -> READY) with the manifest it streamed,
+        or that one with digests; another manifest is refused and changes nothing."""
+        v = pick(self.streaming(who), n)
+        if v is None:
+            return
+        streamed = self.manifests[v]
+        manifest = {
+            "same": streamed,
+            "digests": attrs.evolve(streamed, digests=("d",) * len(STREAMED.buckets)),
+            "other": attrs.evolve(streamed, layout=LAYOUT),
+            "moved": attrs.evolve(streamed, source=b"elsewhere"),
+        }[how]
+        outcome = self.act(who, "commit", lambda by: self.m.commit(manifest, by=by))
+        if how in ("other", "moved"):
+            assert isinstance(outcome, InvalidArgumentError), f"v{v} committed another manifest: {outcome!r}"
+            assert self.snap.versions[v][0] is VersionState.STREAMING and self.snap.committed[v] == self.marks[v]
+        elif outcome is None:
+            assert v > self.announced, f"v{v} announced after v{self.announced}"
+            self.announced = v
+            self.manifests[v] = manifest
+            assert self.m.get(v) == manifest, f"v{v} READY with {self.m.get(v)}, not the manifest committed"
+        else:
+            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"commit of v{v}: {outcome!r}"
+
     # -- readers ---------------------------------------------------------------------------
 
-    @rule(who=st.sampled_from(READERS), mirror=st.integers(0, 2), ttl=st.sampled_from([1.0, 5.0, 15.0]))
-    def acquire(self, who: str, mirror: int, ttl: float) -> None:
+    @rule(
+        who=st.sampled_from(READERS),
+        mirror=st.integers(0, 2),
+        ttl=st.sampled_from([1.0, 5.0, 15.0]),
+        streaming=st.booleans(),
+    )
+    def acquire(self, who: str, mirror: int, ttl: float, streaming: bool) -> None:
+        """A reader leases the newest READY version; streaming, the newest READY or STREAMING."""
         holder = who if mirror == 0 else f"{who}/mirror{mirror}"
-        outcome = self.act(who, "acquire", lambda by: self.m.acquire(ttl=ttl, holder=holder, by=by))
+        before = self.snap
+        outcome = self.act(
+            who, "acquire", lambda by: self.m.acquire(ttl=ttl, holder=holder, by=by, streaming=streaming)
+        )
+        # What was readable as it was asked: the snapshot before, less what its asker's call
+        # swept (nothing of a reader's; time did not pass).
+        readable = [v for v in self.versions(None, (VersionState.STREAMING,)) if streaming] + [
+            v for v in [self.snap.newest] if v is not None
+        ]
         if isinstance(outcome, Lease):
-            assert outcome.version == self.snap.newest or self.snap.newest is None
+            assert outcome.version == max(readable), (
+                f"{'a streaming' if streaming else 'a plain'} acquire got v{outcome.version}, not v{max(readable)}"
+            )
+            state = self.snap.versions[outcome.version][0]
+            assert state is VersionState.READY or (streaming and state is VersionState.STREAMING), (
+                f"{'a streaming' if streaming else 'a plain'} acquire got v{outcome.version}, {state}"
+            )
             self.leases[outcome.id] = LeaseModel(outcome)
+            if state is VersionState.STREAMING:
+                note("acquire: a STREAMING version")
+        else:
+            assert not readable, f"acquire found nothing readable among {before.versions}: {outcome!r}"
 
     @rule(who=st.sampled_from(READERS), n=picks, op=st.sampled_from(["renew", "release"]))
     def renew_or_release(self, who: str, n: int, op: str) -> None:
@@ -417,7 +542,7 @@ class PrincipalsMachine(RuleBasedStateMachine):
     def keepalive(self, who: str) -> None:
         assert self.act(who, "keepalive", lambda by: self.m.keepalive([who], by=by)) is None
 
-    @rule(who=st.sampled_from(ACTORS), act=st.integers(0, 11), n=picks)
+    @rule(who=st.sampled_from(ACTORS), act=st.integers(0, 13), n=picks)
     def hostile(self, who: str, act: int, n: int) -> None:
         """An act on what is another's, which must be refused and change nothing."""
         by = PRINCIPALS[who]
@@ -458,6 +583,17 @@ class PrincipalsMachine(RuleBasedStateMachine):
         elif act == 11 and by.role.value == "publisher":
             # A name that merely starts like its own is not its own.
             attempt = ("begin", lambda by: self.m.begin(None, publisher=f"{who}x/rank0", slot=0, by=by))
+        elif act == 12:  # stream another's version
+            w = pick([v for v in others if self.snap.versions[v][0] is VersionState.WRITING], n)
+            if w is not None:
+                _, publisher, slot, _ = self.snap.versions[w]
+                manifest = Manifest(w, STREAMED, "fake", b"s", slot, publisher)
+                attempt = ("stream", lambda by: self.m.stream(manifest, by=by))
+        elif act == 13:  # mark another's stream
+            w = pick([v for v in others if self.snap.versions[v][0] is VersionState.STREAMING], n)
+            if w is not None:
+                count = min(len(STREAMED.buckets), self.marks.get(w, 0) + 1)
+                attempt = ("mark", lambda by: self.m.mark(w, count, by=by))
         if attempt is not None:
             self.act(who, attempt[0], attempt[1], refused=True)
 
@@ -512,6 +648,28 @@ class PrincipalsMachine(RuleBasedStateMachine):
             assert snap.versions[snap.newest][0] is VersionState.READY
         ready = [v for v, (state, *_) in snap.versions.items() if state is VersionState.READY]
         assert ready == ([] if snap.newest is None else [snap.newest]), f"READY: {ready}, newest {snap.newest}"
+        # A stream's progress: the buckets marked while STREAMING, all once READY or
+        # RETIRED, none otherwise; marks only grow and never pass the buckets.
+        for v, (state, *_) in snap.versions.items():
+            progress = self.m.progress(v)
+            manifest = self.manifests.get(v)
+            total = (
+                0
+                if manifest is None or state not in (*ALIVE_STATES, VersionState.RETIRED)
+                else len(manifest.layout.buckets)
+            )
+            if state is VersionState.STREAMING:
+                want = self.marks[v]
+                assert snap.committed.get(v) == want, f"status shows v{v} {snap.committed.get(v)} marked, not {want}"
+            elif state in (VersionState.READY, VersionState.RETIRED):
+                want = total
+            else:
+                want = 0
+                assert v not in snap.committed, f"status shows v{v}, {state}, with buckets committed"
+            assert (progress.state, progress.committed) == (state, want), f"v{v} ({state}): {progress}, not {want}"
+            assert progress.committed <= progress.buckets, f"v{v}: {progress}"
+            if manifest is not None and state is not VersionState.WRITING:
+                assert progress.buckets == len(manifest.layout.buckets), f"v{v}: {progress}"
 
 
 def test_principals() -> None:

@@ -1,0 +1,105 @@
+"""Streaming defects found by the fuzzers (fuzz/test_concurrent.py), each shown by the
+smallest test that fails until its fix lands in the core (strict xfail: once it passes,
+drop the mark here and the fuzzer's switch of the same name in fuzz/harness.AWAITING_FIX)."""
+
+import anyio
+import pytest
+
+from weightpull import NoReadyVersionError, PublishError, VersionState
+
+from .conftest import autojump, host_tensors
+
+pytestmark = pytest.mark.anyio
+
+
+class FailingAdapter:
+    """Host tensors whose copy into the slot fails at the second tensor (in its own bucket)."""
+
+    def __init__(self):
+        from weightpull.tensors import HostTensorAdapter
+
+        self.inner = HostTensorAdapter()
+
+    def describe(self, name, value, rollout_dtype):
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items, region):
+        if any(p.spec.name == "t1" for _, p in items):
+            raise RuntimeError("injected: the device was lost mid-copy")
+        await self.inner.write(items, region)
+
+    async def fence(self):
+        await self.inner.fence()
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        False,  # the serial path, as it should be
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True, reason="stream-publish-error-groups: a streamed publish chains task-group wrappers"
+            ),
+        ),
+    ],
+)
+async def test_a_streamed_publish_that_fails_is_chained_to_its_cause(world, stream):
+    """A publish that fails once begun raises PublishError chained to the cause (as the
+    serial path does), not to the ExceptionGroups of `_stream`'s task groups."""
+    publisher = world.publisher(stream=stream, adapter=FailingAdapter())
+    with pytest.raises(PublishError) as caught:
+        await publisher.publish(1, host_tensors(1, sizes=(1500, 1500)))
+    assert (await world.registry.progress(1)).state is VersionState.ABORTED
+    assert isinstance(caught.value.__cause__, RuntimeError), repr(caught.value.__cause__)
+
+
+class SlowAdapter:
+    """Host tensors copied a second per bucket of the fake clock."""
+
+    def __init__(self, clock):
+        from weightpull.tensors import HostTensorAdapter
+
+        self.inner, self.clock = HostTensorAdapter(), clock
+
+    def describe(self, name, value, rollout_dtype):
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items, region):
+        await self.clock.sleep(1.0)
+        await self.inner.write(items, region)
+
+    async def fence(self):
+        await self.inner.fence()
+
+
+@pytest.mark.xfail(strict=True, reason="stream-retired-after-ready: a stream READY then retired is taken as torn")
+async def test_a_stream_that_turned_ready_then_retired_is_kept(world):
+    """A reader streams v1; v1 turns READY and is withdrawn (or retired by a newer one)
+    before the reader looks again. Its lease held throughout and every bucket landed once
+    marked: the copy is whole, as a plain pull's of a version retired under it is. It is
+    rejected as torn: `_until_ready` takes anything but READY, RETIRED too, as a stream
+    that ended otherwise, though RETIRED is reached only from READY."""
+    publisher = world.publisher(stream=True, adapter=SlowAdapter(world.clock))
+    puller = world.puller(stream=True, ttl=30)
+    tensors = host_tensors(1, sizes=(1500,) * 4)
+    pulled = []
+
+    async def pull():
+        while True:
+            try:
+                pulled.append(await puller.pull())
+                return
+            except NoReadyVersionError:
+                await world.clock.sleep(0.5)
+
+    async def publish_then_withdraw():
+        await publisher.publish(1, tensors)
+        await world.registry.retire(1)  # at once: the reader has not looked since the commit
+
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(pull)
+        tg.start_soon(publish_then_withdraw)
+    assert pulled[0].version == 1 and puller.mirror_version == 1
+    for name, t in tensors.items():
+        assert bytes(pulled[0].view(name)) == t.data
