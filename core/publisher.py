@@ -33,6 +33,7 @@ from .errors import (
     VersionNotFoundError,
     VersionOrderError,
     WeightpullError,
+    first_error,
 )
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
@@ -348,25 +349,28 @@ class Publisher:
                 landed = bucket + 1
 
         waiting = False  # whether the worker thread counts the buckets landed
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(marker)
-            async with anyio.create_task_group() as copies:
-                try:
-                    for bucket in sorted(by_bucket):
-                        await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
-                        await adapter.write(by_bucket[bucket], region)
-                        wait = landing(adapter)
-                        if wait is None:  # no way to wait for one bucket alone: fence it here
-                            await adapter.fence()
-                            wake(bucket + 1)
-                            continue
-                        if not waiting:
-                            copies.start_soon(functools.partial(anyio.to_thread.run_sync, wait_in_order))
-                            waiting = True
-                        waits.put((bucket, wait))
-                finally:
-                    waits.put(None)
-            tg.cancel_scope.cancel()  # every bucket landed; the commit tells readers the rest
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(marker)
+                async with anyio.create_task_group() as copies:
+                    try:
+                        for bucket in sorted(by_bucket):
+                            await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
+                            await adapter.write(by_bucket[bucket], region)
+                            wait = landing(adapter)
+                            if wait is None:  # no way to wait for one bucket alone: fence it here
+                                await adapter.fence()
+                                wake(bucket + 1)
+                                continue
+                            if not waiting:
+                                copies.start_soon(functools.partial(anyio.to_thread.run_sync, wait_in_order))
+                                waiting = True
+                            waits.put((bucket, wait))
+                    finally:
+                        waits.put(None)
+                tg.cancel_scope.cancel()  # every bucket landed; the commit tells readers the rest
+        except BaseExceptionGroup as group:  # the failure itself, not the task groups around it
+            raise first_error(group) from None
 
     def _prepare(
         self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None

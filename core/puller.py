@@ -413,7 +413,7 @@ class Puller:
             progress = await registry.wait_for_buckets(manifest.version, buckets + 1)
         except VersionStateError as exc:
             raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
-        if progress.state is not VersionState.READY:
+        if progress.state not in (VersionState.READY, VersionState.RETIRED):  # RETIRED only from READY
             why = f" ({progress.reason})" if progress.reason else ""
             raise TornReadError(
                 f"{self.holder}: v{manifest.version} ended {progress.state}{why} while streamed; the copy was rejected"

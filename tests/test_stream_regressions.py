@@ -1,6 +1,6 @@
 """Streaming defects found by the fuzzers (fuzz/test_concurrent.py), each shown by the
-smallest test that fails until its fix lands in the core (strict xfail: once it passes,
-drop the mark here and the fuzzer's switch of the same name in fuzz/harness.AWAITING_FIX)."""
+smallest test that shows it (while a fix is awaited, marked strict xfail, with a switch of
+the same name in fuzz/harness.AWAITING_FIX; both fixed now)."""
 
 import anyio
 import pytest
@@ -32,18 +32,7 @@ class FailingAdapter:
         await self.inner.fence()
 
 
-@pytest.mark.parametrize(
-    "stream",
-    [
-        False,  # the serial path, as it should be
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True, reason="stream-publish-error-groups: a streamed publish chains task-group wrappers"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_streamed_publish_that_fails_is_chained_to_its_cause(world, stream):
     """A publish that fails once begun raises PublishError chained to the cause (as the
     serial path does), not to the ExceptionGroups of `_stream`'s task groups."""
@@ -73,7 +62,6 @@ class SlowAdapter:
         await self.inner.fence()
 
 
-@pytest.mark.xfail(strict=True, reason="stream-retired-after-ready: a stream READY then retired is taken as torn")
 async def test_a_stream_that_turned_ready_then_retired_is_kept(world):
     """A reader streams v1; v1 turns READY and is withdrawn (or retired by a newer one)
     before the reader looks again. Its lease held throughout and every bucket landed once
