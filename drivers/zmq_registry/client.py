@@ -252,6 +252,36 @@ class ZmqRegistry:
         extra = {"streaming": True} if streaming else {}  # sent only when set: an older server takes the rest
         return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder, **extra))
 
+    async def renew(self, lease: Lease) -> Lease:
+        return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))
+
+    async def release(self, lease: Lease) -> None:
+        await self._call("release", lease=lease.to_dict())
+
+    async def is_valid(self, lease: Lease) -> bool:
+        return bool(await self._call("is_valid", lease=lease.to_dict()))
+
+    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
+        try:
+            return Manifest.from_dict(await self._long_poll("wait_for_version", timeout, min_version=min_version))
+        except VersionWaitTimeoutError:
+            raise VersionWaitTimeoutError(f"no version >= {min_version} within {timeout} s") from None
+
+    async def _long_poll(self, op: str, timeout: float | None, **args: Any) -> Any:
+        """`op` as long polls of at most `wait_poll` seconds each, so that no request
+        outlives a server restart by long, until it answers or `timeout` passes (then the
+        server's `VersionWaitTimeoutError`)."""
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        while True:
+            left = (
+                self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
+            )
+            try:
+                return await self._call(op, timeout=left, _attempt_timeout=left + self.timeout, **args)
+            except VersionWaitTimeoutError:
+                if deadline is not None and anyio.current_time() >= deadline:
+                    raise
+
     # -- streams ---------------------------------------------------------------------------
 
     async def stream(self, manifest: Manifest) -> None:
@@ -264,50 +294,8 @@ class ZmqRegistry:
         return Progress.from_dict(await self._call("progress", version=version))
 
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
-        """Long-polls of at most `wait_poll` seconds each, as `wait_for_version`."""
-        deadline = None if timeout is None else anyio.current_time() + timeout
-        while True:
-            left = (
-                self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
-            )
-            try:
-                data = await self._call(
-                    "wait_for_buckets",
-                    version=version,
-                    at_least=at_least,
-                    timeout=left,
-                    _attempt_timeout=left + self.timeout,
-                )
-                return Progress.from_dict(data)
-            except VersionWaitTimeoutError:
-                if deadline is not None and anyio.current_time() >= deadline:
-                    raise
-
-    async def renew(self, lease: Lease) -> Lease:
-        return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))
-
-    async def release(self, lease: Lease) -> None:
-        await self._call("release", lease=lease.to_dict())
-
-    async def is_valid(self, lease: Lease) -> bool:
-        return bool(await self._call("is_valid", lease=lease.to_dict()))
-
-    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
-        """Long-polls of at most `wait_poll` seconds each, so no request outlives a
-        server restart by long."""
-        deadline = None if timeout is None else anyio.current_time() + timeout
-        while True:
-            left = (
-                self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
-            )
-            try:
-                data = await self._call(
-                    "wait_for_version", min_version=min_version, timeout=left, _attempt_timeout=left + self.timeout
-                )
-                return Manifest.from_dict(data)
-            except VersionWaitTimeoutError:
-                if deadline is not None and anyio.current_time() >= deadline:
-                    raise VersionWaitTimeoutError(f"no version >= {min_version} within {timeout} s") from None
+        data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least)
+        return Progress.from_dict(data)
 
     # -- replicas and status -------------------------------------------------------------
 
