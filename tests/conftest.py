@@ -9,6 +9,7 @@ import pytest
 
 from weightpull import FakeClock, HostTensor, InProcessRegistry, Publisher, Puller
 from weightpull.drivers.fake import FakeFabric, FakeTransport
+from weightpull.tensors import HostTensorAdapter
 
 
 @pytest.fixture
@@ -41,6 +42,22 @@ def host_tensors(version: int, sizes=(1000, 300, 5000)) -> dict[str, HostTensor]
         f"t{i}": HostTensor("uint8", (n,), bytes((version * 31 + i * 7 + k) % 251 for k in range(n)))
         for i, n in enumerate(sizes)
     }
+
+
+class SlowCopy(HostTensorAdapter):
+    """Host tensors copied into the slot at `rate` bytes per second of `sleep`'s clock, as a
+    trainer's device-to-slot copy runs; from write `fail_at` on (0: the first), the copy
+    fails midway with `why`."""
+
+    def __init__(self, rate: float, sleep: Any = anyio.sleep, fail_at: int | None = None, why: str = "") -> None:
+        self.rate, self.sleep, self.fail_at, self.why, self.writes = rate, sleep, fail_at, why or "copy failed", 0
+
+    async def write(self, items, region) -> None:
+        if self.fail_at is not None and self.writes >= self.fail_at:
+            raise RuntimeError(self.why)
+        self.writes += 1
+        await self.sleep(sum(p.spec.nbytes for _, p in items) / self.rate)
+        await super().write(items, region)
 
 
 class World:

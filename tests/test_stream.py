@@ -21,7 +21,7 @@ from weightpull.errors import NoReadyVersionError, PermissionDeniedError, Versio
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal
 
-from .conftest import autojump, host_tensors
+from .conftest import SlowCopy, autojump, host_tensors
 
 pytestmark = pytest.mark.anyio
 
@@ -156,29 +156,6 @@ async def test_a_streaming_publisher_marks_buckets_as_they_land(world):
 # -- readers that stream ---------------------------------------------------------------
 
 
-class SlowAdapter:
-    """Host tensors copied at `rate` bytes per second of the fake clock, bucket by bucket:
-    a trainer's device-to-slot copy. `fail_at` raises partway, as a dying copy does."""
-
-    def __init__(self, clock, rate: float, fail_at: int | None = None):
-        from weightpull.tensors import HostTensorAdapter
-
-        self.inner, self.clock, self.rate, self.fail_at, self.writes = HostTensorAdapter(), clock, rate, fail_at, 0
-
-    def describe(self, name, value, rollout_dtype):
-        return self.inner.describe(name, value, rollout_dtype)
-
-    async def write(self, items, region):
-        if self.fail_at is not None and self.writes >= self.fail_at:
-            raise RuntimeError("the trainer's device fell off the bus")
-        self.writes += 1
-        await self.clock.sleep(sum(p.spec.nbytes for _, p in items) / self.rate)
-        await self.inner.write(items, region)
-
-    async def fence(self):
-        await self.inner.fence()
-
-
 SIZES = (1500,) * 8  # eight buckets of 2048 bytes
 RATE = 1500.0  # bytes per second: one bucket a second, for the copy and for the read
 
@@ -187,7 +164,7 @@ async def race(world, *, stream: bool, fail_at=None):
     """Publish v1 slowly while a reader pulls the newest; (publish end, pull end, pulled or error)."""
     from weightpull.drivers.fake import FakeFaults
 
-    adapter = SlowAdapter(world.clock, RATE, fail_at)
+    adapter = SlowCopy(RATE, world.clock.sleep, fail_at, "the trainer's device fell off the bus")
     publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
     puller = world.puller(world.transport(faults=FakeFaults(bandwidth=RATE)), stream=stream, ttl=30)
     ended = {}

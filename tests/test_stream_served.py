@@ -11,26 +11,13 @@ from tests.served import ServedRegistry, make_keys
 from weightpull import Publisher, PublishError, Puller, TornReadError, VersionState
 from weightpull.drivers.fake import FakeFaults, FakeTransport
 from weightpull.registry import connect_registry
-from weightpull.tensors import HostTensorAdapter
 
-from .conftest import host_tensors
+from .conftest import SlowCopy, host_tensors
 
 pytestmark = pytest.mark.anyio
 
 SIZES = (1500,) * 10  # ten buckets of 2048 bytes
 PER_BUCKET = 0.1  # seconds the trainer's copy, and the replica's read, take per bucket
-
-
-class SlowCopy(HostTensorAdapter):
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.writes, self.fail_at = 0, fail_at
-
-    async def write(self, items, region):
-        if self.fail_at is not None and self.writes >= self.fail_at:
-            raise RuntimeError("copy failed midway")
-        self.writes += 1
-        await anyio.sleep(PER_BUCKET)
-        await super().write(items, region)
 
 
 @pytest.fixture
@@ -46,7 +33,13 @@ async def race(served, fail_at=None):
     trainer = connect_registry(served.address, **served.key("trainer"))
     replica = connect_registry(served.address, **served.key("replica-0"))
     async with trainer, replica:
-        publisher = Publisher(trainer, FakeTransport(), stream=True, adapter=SlowCopy(fail_at), bucket_bytes=2048)
+        publisher = Publisher(
+            trainer,
+            FakeTransport(),
+            stream=True,
+            adapter=SlowCopy(1500 / PER_BUCKET, fail_at=fail_at, why="copy failed midway"),
+            bucket_bytes=2048,
+        )
         link = FakeFaults(bandwidth=2048 / PER_BUCKET)
         puller = Puller(replica, FakeTransport(faults=link), holder="replica-0", stream=True, ttl=5)
         out = {}
