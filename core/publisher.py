@@ -12,7 +12,6 @@ owner makes progress) and deregisters its slots on the way out.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import queue
 import uuid
@@ -38,7 +37,7 @@ from .errors import (
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal, Role
-from .registry import Registry, StreamingRegistry
+from .registry import Registry, as_streaming
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
@@ -147,6 +146,8 @@ class Publisher:
         self.align = align
         self.digests = digests
         self.stream = stream
+        if stream:  # refused now, not at the first publish
+            as_streaming(registry)
         self.device = device
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
@@ -308,9 +309,7 @@ class Publisher:
         """Copy bucket by bucket while a marker announces the stream, then tells the
         registry how many buckets have landed: one mark in flight at a time, carrying the
         newest count, so marks batch themselves to the pace the registry answers at."""
-        registry = self.registry
-        if not isinstance(registry, StreamingRegistry):
-            raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
+        registry = as_streaming(self.registry)
         by_bucket: dict[int, list[tuple[Any, Placement]]] = {}
         for value, placement in writes:
             by_bucket.setdefault(placement.bucket, []).append((value, placement))
@@ -363,7 +362,7 @@ class Publisher:
                                 wake(bucket + 1)
                                 continue
                             if not waiting:
-                                copies.start_soon(functools.partial(anyio.to_thread.run_sync, wait_in_order))
+                                copies.start_soon(anyio.to_thread.run_sync, wait_in_order)
                                 waiting = True
                             waits.put((bucket, wait))
                     finally:

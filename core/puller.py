@@ -39,7 +39,8 @@ from .errors import (
 from .layout import Layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal
-from .registry import Lease, Registry, StreamingRegistry
+from .records import Progress
+from .registry import Lease, Registry, as_streaming
 from .states import VersionState
 from .transport import Region, Remote, Transport
 
@@ -190,9 +191,9 @@ class Puller:
         self.device = device
         self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
         self.stall_timeout = stall_timeout
-        if stream and not isinstance(registry, StreamingRegistry):
-            raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
         self.stream = stream
+        if stream:  # refused now, not at the first pull
+            as_streaming(registry)
         self.clock = clock or MonotonicClock()
         self.mirror: Region | None = None
         self.mirror_version: int | None = None  # what the mirror holds, verified
@@ -257,9 +258,7 @@ class Puller:
     async def _pull(self, version: int | None) -> Pulled:
         started = self.clock.now()
         if self.stream:
-            registry = self.registry
-            assert isinstance(registry, StreamingRegistry)  # checked when made
-            lease = await registry.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
+            lease = await as_streaming(self.registry).acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
         else:
             lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
@@ -390,29 +389,27 @@ class Puller:
         if not self.stream or manifest.shards:
             yield reads
             return
-        registry = self.registry
-        assert isinstance(registry, StreamingRegistry)
         issued = 0
         while issued < len(reads):
-            try:
-                progress = await registry.wait_for_buckets(manifest.version, issued + 1)
-            except VersionStateError as exc:
-                raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
+            progress = await self._wait_for_buckets(manifest, issued + 1)
             upto = len(reads) if progress.state is not VersionState.STREAMING else min(progress.committed, len(reads))
             note(0)  # the publisher moved: not a stall
             yield reads[issued:upto]
             issued = upto
 
-    async def _until_ready(self, manifest: Manifest) -> None:
-        """Return once the version is READY; a stream that ends otherwise is torn."""
-        registry = self.registry
-        assert isinstance(registry, StreamingRegistry)
-        buckets = len(manifest.layout.buckets)
+    async def _wait_for_buckets(self, manifest: Manifest, at_least: int) -> Progress:
+        """The stream's progress once `at_least` buckets may be read, or it ended; one
+        that ended unfinished is a torn copy."""
         try:
-            # More buckets than it has: only its end answers.
-            progress = await registry.wait_for_buckets(manifest.version, buckets + 1)
+            return await as_streaming(self.registry).wait_for_buckets(manifest.version, at_least)
         except VersionStateError as exc:
             raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
+
+    async def _until_ready(self, manifest: Manifest) -> None:
+        """Return once the version is READY; a stream that ends otherwise is torn."""
+        progress = await self._wait_for_buckets(
+            manifest, len(manifest.layout.buckets) + 1
+        )  # more: only its end answers
         if progress.state not in (VersionState.READY, VersionState.RETIRED):  # RETIRED only from READY
             why = f" ({progress.reason})" if progress.reason else ""
             raise TornReadError(

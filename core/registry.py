@@ -35,6 +35,7 @@ __all__ = [
     "RegistryMachine",
     "RegistryStatus",
     "StreamingRegistry",
+    "as_streaming",
     "VersionInfo",
     "connect_registry",
 ]
@@ -93,6 +94,14 @@ class StreamingRegistry(Registry, Protocol):
     async def mark(self, version: int, committed: int) -> None: ...
     async def progress(self, version: int) -> Progress: ...
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress: ...
+
+
+def as_streaming(registry: Registry) -> StreamingRegistry:
+    """`registry`, for a publisher or puller made with `stream=True`: one that cannot
+    stream is refused when they are made, naming it."""
+    if not isinstance(registry, StreamingRegistry):
+        raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
+    return registry
 
 
 class InProcessRegistry:

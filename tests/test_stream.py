@@ -11,6 +11,7 @@ from weightpull import (
     InProcessRegistry,
     InvalidArgumentError,
     Manifest,
+    Publisher,
     PublishError,
     Puller,
     TornReadError,
@@ -236,3 +237,5 @@ def test_streaming_needs_a_registry_that_streams(world):
 
     with pytest.raises(InvalidArgumentError, match="cannot stream"):
         Puller(Plain(), world.transport(), stream=True)
+    with pytest.raises(InvalidArgumentError, match="Plain cannot stream"):
+        Publisher(Plain(), world.transport(), stream=True)
