@@ -82,6 +82,11 @@ class LeaseExpiredError(RegistryError):
     """The lease's TTL ran out on the registry's clock before this request."""
 
 
+class NoSourceError(RegistryError, LookupError):
+    """No source may serve the version to this reader now: every one is gone (its
+    liveness lapsed), full (at its cap of live leases) or excluded; the message says which."""
+
+
 # -- the served registry -------------------------------------------------------------------
 
 

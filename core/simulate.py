@@ -1,0 +1,1 @@
+"""A discrete-event model of fan-out (in progress)."""

@@ -1,0 +1,67 @@
+"""Per-bucket digests (weightpull.digests): what a reader from a relay checks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from weightpull.digests import BLAKE2B128, WSUM64, check_servable, digest, kind_of, matches, verify_bucket
+from weightpull.errors import DigestMismatchError, InvalidArgumentError
+from weightpull.manifest import bucket_digest
+
+
+def test_a_bare_digest_is_the_publishers_blake2b():
+    data = os.urandom(1000)
+    assert kind_of(bucket_digest(data)) == BLAKE2B128
+    assert matches(data, bucket_digest(data))
+    assert digest(data) == f"blake2b128:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+
+
+def test_wsum64_is_two_sums_of_words_modulo_2_64():
+    words = [2**64 - 1, 5, 7]
+    data = b"".join(w.to_bytes(8, "little") for w in words)
+    s1 = sum(words) % 2**64
+    s2 = sum((i + 1) * w for i, w in enumerate(words)) % 2**64
+    assert digest(data, WSUM64) == f"wsum64:{s1:016x}{s2:016x}"
+    assert digest(data + b"\x01", WSUM64) != digest(data, WSUM64)  # a tail shorter than a word counts
+    assert digest(b"", WSUM64) == "wsum64:" + "0" * 32
+
+
+@given(st.binary(min_size=16, max_size=256), st.data())
+def test_wsum64_catches_one_changed_byte_and_swapped_words(data, draw):
+    i = draw.draw(st.integers(0, len(data) - 1))
+    changed = bytearray(data)
+    changed[i] ^= draw.draw(st.integers(1, 255))
+    assert not matches(bytes(changed), digest(data, WSUM64))
+    a, b = data[:8], data[8:16]
+    if a != b:
+        swapped = b + a + data[16:]
+        assert not matches(swapped, digest(data, WSUM64))
+
+
+def test_verify_bucket_names_the_version_bucket_and_source():
+    good = os.urandom(64)
+    verify_bucket(3, 1, good, digest(good, WSUM64), source="relay-7")
+    with pytest.raises(DigestMismatchError, match=r"v3: bucket 1 read from 'relay-7' .*wsum64"):
+        verify_bucket(3, 1, os.urandom(64), digest(good, WSUM64), source="relay-7")
+
+
+def test_a_version_without_digests_cannot_be_relayed():
+    with pytest.raises(InvalidArgumentError, match="v4 has no digests"):
+        check_servable(4, None, 2)
+    with pytest.raises(InvalidArgumentError, match="1 digests for 2 buckets"):
+        check_servable(4, ["ab"], 2)
+    with pytest.raises(InvalidArgumentError, match="unknown kind 'md5'"):
+        check_servable(4, ["md5:00", "ab"], 2)
+    check_servable(4, [digest(b"x"), digest(b"y", WSUM64)], 2)
+
+
+def test_bad_kinds_are_refused():
+    with pytest.raises(InvalidArgumentError, match="unknown digest kind"):
+        digest(b"x", "crc32")
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        kind_of("")
