@@ -40,12 +40,16 @@ class Trajectory:
         return self.versions[0]
 
 
+def _trajectories(value: Iterable[Trajectory]) -> tuple[Trajectory, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class Group:
     """The trajectories of one prompt group, consumed together."""
 
     id: str
-    trajectories: tuple[Trajectory, ...] = attrs.field(converter=tuple)
+    trajectories: tuple[Trajectory, ...] = attrs.field(converter=_trajectories)
 
     def __attrs_post_init__(self) -> None:
         if not self.trajectories:

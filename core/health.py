@@ -1,0 +1,77 @@
+"""The health check: is anyone left to produce what a trainer waits for?
+
+A trainer that samples rollouts waits on producers it never calls: rollout workers, each
+with its update agent, and the dispatcher feeding them. When every one of them has died,
+failed, or gone silent past `timeout`, the wait would last forever; `Health.check` turns
+it into `NoProducerError`, naming what became of each. Sans-IO: it is handed the
+producers and the time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from .errors import InvalidArgumentError, WeightpullError
+
+
+class NoProducerError(WeightpullError):
+    """Every producer a trainer's sample waits on has died, failed or gone silent: the
+    sample would never come. The message names each one and what became of it."""
+
+
+@attrs.frozen
+class Producer:
+    """A rollout worker, an update agent or a dispatcher, as last heard from."""
+
+    name: str
+    last_beat: float  # when it was last heard from (the health check's clock)
+    failure: str | None = None  # why it stopped, when it said
+
+
+def agent_producers(agents: Iterable[Any], now: float) -> list[Producer]:
+    """In-process update agents (`weightpull.agent.UpdateAgent`): alive until one fails."""
+    return [
+        Producer(a.name, now if a.failure is None else -math.inf, None if a.failure is None else repr(a.failure))
+        for a in agents
+    ]
+
+
+class Health:
+    def __init__(self, timeout: float) -> None:
+        if not isinstance(timeout, int | float) or not timeout > 0:
+            raise InvalidArgumentError(f"the health timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+
+    def alive(self, producers: Sequence[Producer], now: float) -> list[Producer]:
+        return [p for p in producers if p.failure is None and now - p.last_beat <= self.timeout]
+
+    def check(
+        self,
+        producers: Sequence[Producer],
+        now: float,
+        *,
+        since: float | None = None,
+        dispatcher_failure: str | None = None,
+    ) -> None:
+        """Raise `NoProducerError` when no producer is left: the dispatcher failed, or
+        every producer failed or went silent for longer than the timeout. None heard from
+        at all is waited for `timeout` seconds from `since` (when the wait began)."""
+        if dispatcher_failure is not None:
+            raise NoProducerError(f"the dispatcher failed ({dispatcher_failure}): no rollout will come")
+        if self.alive(producers, now):
+            return
+        if not producers:
+            if since is not None and now - since <= self.timeout:
+                return
+            raise NoProducerError(f"no rollout worker was heard from within {self.timeout:g} s")
+        fates = "; ".join(
+            f"{p.name}: failed ({p.failure})"
+            if p.failure is not None
+            else f"{p.name}: silent for {now - p.last_beat:.1f} s (timeout {self.timeout:g} s)"
+            for p in producers
+        )
+        raise NoProducerError(f"no rollout worker is left to produce samples: {fates}")
