@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Self
 import anyio
 import attrs
 
-from .errors import InvalidArgumentError, RegionNotRegisteredError, TransportError
+from .errors import InvalidArgumentError, RegionNotRegisteredError, TransportError, first_error
 
 
 @attrs.define(eq=False)
@@ -45,6 +45,34 @@ class Remote:
     handle: Any = None
 
 
+# (remote, remote_offset, remote_pitch, local, local_offset, local_pitch, width, height)
+Read2D = tuple[Remote, int, int, Region, int, int, int, int]
+
+
+def check_2d(read: Read2D) -> None:
+    """Raise unless a 2-D read's sizes make sense: rows apart on the local side never
+    overlap (each byte landed once)."""
+    _, r_off, r_pitch, _, l_off, l_pitch, width, height = read
+    if min(r_off, r_pitch, l_off, l_pitch, width, height) < 0:
+        raise InvalidArgumentError(f"a 2-D read's offsets, pitches and sizes must be >= 0, got {read[1:3]}, {read[4:]}")
+    if height > 1 and l_pitch < width:
+        raise InvalidArgumentError(
+            f"a 2-D read's local pitch {l_pitch} is less than its width {width}: rows would overlap"
+        )
+
+
+def rows_of(read: Read2D) -> list[tuple[Remote, int, Region, int, int]]:
+    """A 2-D read as plain reads, one per row."""
+    check_2d(read)
+    remote, r_off, r_pitch, local, l_off, l_pitch, width, height = read
+    return [(remote, r_off + i * r_pitch, local, l_off + i * l_pitch, width) for i in range(height)] if width else []
+
+
+def span_2d(offset: int, pitch: int, width: int, height: int) -> tuple[int, int]:
+    """(first byte, bytes to the end of the last row) that a 2-D read touches on one side."""
+    return offset, (height - 1) * pitch + width if width and height else 0
+
+
 class Transport(ABC):
     """One endpoint of a transport. Async reads; everything else is quick and sync."""
 
@@ -56,6 +84,8 @@ class Transport(ABC):
     # pullers call it in a worker thread, off the event loop. A driver whose allocation is
     # instant (the fake one) says False, and keeps fake-clock runs deterministic.
     slow_allocate: ClassVar[bool] = True
+    # `read_2d_many` posts a 2-D read's rows as one request, not one read per row.
+    native_2d: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -89,6 +119,12 @@ class Transport(ABC):
     def disconnect(self, remote: Remote) -> None:  # noqa: B027 - optional hook
         """Forget a peer region; drivers with per-peer state override this."""
 
+    def prepare(self, remote: Remote, device: str = "cpu") -> None:  # noqa: B027 - optional hook
+        """Do now what the first read from `remote` into `device` memory would (map it,
+        page-lock it), so that the first version moves as quickly as the rest. It may take
+        seconds: pullers call it from a worker thread, ahead of any version. Nothing by
+        default."""
+
     @abstractmethod
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
@@ -101,6 +137,35 @@ class Transport(ABC):
         async with anyio.create_task_group() as tg:
             for r in reads:
                 tg.start_soon(self.read, *r)
+
+    async def read_2d(
+        self,
+        remote: Remote,
+        remote_offset: int,
+        remote_pitch: int,
+        local: Region,
+        local_offset: int,
+        local_pitch: int,
+        width: int,
+        height: int,
+    ) -> None:
+        """Copy `height` rows of `width` bytes: row i from `remote` at `remote_offset + i *
+        remote_pitch` into `local` at `local_offset + i * local_pitch` (a row-parallel
+        share of a weight is a column band: rows apart on both sides)."""
+        await self.read_2d_many(
+            [(remote, remote_offset, remote_pitch, local, local_offset, local_pitch, width, height)]
+        )
+
+    async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
+        """Make every 2-D read (see `read_2d`), concurrently. The default makes one plain
+        read per row through `read_many`; a driver that can post many rows as one
+        request (a descriptor list, a 2-D device copy) overrides it and says so in
+        `native_2d`."""
+        rows = [row for read in reads for row in rows_of(read)]
+        try:
+            await self.read_many(rows)
+        except BaseExceptionGroup as group:  # the failure itself, as a plain read raises it
+            raise first_error(group) from None
 
     async def serve(self) -> None:  # noqa: B027 - optional hook
         """Help peers' reads of this endpoint's memory along, until cancelled. Drivers whose
@@ -175,6 +240,9 @@ class WrappedTransport(Transport):
     def disconnect(self, remote: Remote) -> None:
         self.inner.disconnect(remote)
 
+    def prepare(self, remote: Remote, device: str = "cpu") -> None:
+        self.inner.prepare(remote, device)
+
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
 
@@ -208,3 +276,11 @@ def writable_bytes(driver: str, memory: Any) -> memoryview:
 def address_of(view: memoryview) -> int:
     """Where a writable byte view's memory starts (0 when empty)."""
     return ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view)) if view.nbytes else 0
+
+
+def fault_in(region: Region) -> None:
+    """Touch every page of a host region now (with zeros), so that its first copy does
+    not page-fault through gigabytes: drivers may map host memory lazily (mmap). Slow
+    for gigabytes, so run it where a slot is reserved, in a worker thread."""
+    if region.view is not None and region.nbytes and not region.view.readonly:
+        ctypes.memset(address_of(region.view), 0, region.nbytes)

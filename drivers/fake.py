@@ -16,20 +16,22 @@ import json
 import os
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from weightpull.clock import Clock, FakeClock, MonotonicClock
-from weightpull.drivers.faulty import CHUNK, FaultInjector, Faults
+from weightpull.drivers.faulty import CHUNK, FaultInjector, Faults, row_runs
 from weightpull.errors import (
     InvalidArgumentError,
     PeerGoneError,
     RegionNotRegisteredError,
     TransportError,
+    first_error,
 )
-from weightpull.transport import Region, Remote, Transport, check_span, writable_bytes
+from weightpull.transport import Read2D, Region, Remote, Transport, check_2d, check_span, span_2d, writable_bytes
 
 _fabrics: weakref.WeakValueDictionary[str, FakeFabric] = weakref.WeakValueDictionary()
 
@@ -68,6 +70,7 @@ FakeFaults = Faults  # the fake's knobs: the faults any driver can be wrapped in
 
 class FakeTransport(Transport):
     name = "fake"
+    native_2d = True
     slow_allocate = False  # a bytearray: instant, and fake-clock runs stay deterministic
 
     def __init__(
@@ -143,7 +146,8 @@ class FakeTransport(Transport):
 
     # -- reading -------------------------------------------------------------------------
 
-    async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
+    def _source(self, remote: Remote, local: Region) -> Region:
+        """The peer's region a read of `remote` into `local` copies from, once both hold."""
         self._check_open()
         fabric, owner, region_id = remote.handle
         if owner in fabric.closed:
@@ -153,6 +157,10 @@ class FakeTransport(Transport):
             raise RegionNotRegisteredError(f"remote region {region_id} is not registered")
         if self._mine.get(local.handle) is not local:
             raise RegionNotRegisteredError("the local region is not registered with this transport")
+        return source
+
+    async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
+        source = self._source(remote, local)
         check_span("remote", remote_offset, nbytes, source.nbytes)
         check_span("local", local_offset, nbytes, local.nbytes)
 
@@ -163,6 +171,43 @@ class FakeTransport(Transport):
             await self._copy(src[start:stop], dst[start:stop])
 
         await self._injector.read(self.faults, nbytes, copy, dst)
+
+    async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
+        """Each 2-D read's rows copied by one call (in a worker thread when offloading),
+        its faults applied once to its bytes laid end to end."""
+
+        for read in reads:  # every read checked before any lands
+            check_2d(read)
+            remote, r_off, r_pitch, local, l_off, l_pitch, width, height = read
+            source = self._source(remote, local)
+            check_span("remote", *span_2d(r_off, r_pitch, width, height), source.nbytes)
+            check_span("local", *span_2d(l_off, l_pitch, width, height), local.nbytes)
+
+        async def one(read: Read2D) -> None:
+            remote, r_off, r_pitch, local, l_off, l_pitch, width, height = read
+            src, dst = self._source(remote, local).host_view(), local.host_view()
+
+            def rows(start: int, stop: int) -> None:
+                for row, col, n, count in row_runs(width, start, stop):
+                    for i in range(row, row + count):
+                        s, d = r_off + i * r_pitch + col, l_off + i * l_pitch + col
+                        _memmove(dst[d : d + n], src[s : s + n])
+
+            async def copy(start: int, stop: int) -> None:
+                if self.offload:
+                    await anyio.to_thread.run_sync(rows, start, stop)
+                else:
+                    rows(start, stop)
+                    await anyio.lowlevel.checkpoint()
+
+            await self._injector.read(self.faults, width * height, copy, None)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for read in reads:
+                    tg.start_soon(one, read)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
 
     async def _copy(self, src: memoryview, dst: memoryview) -> None:
         """Copy in chunks, yielding between them, so reads stay cancellable."""

@@ -11,13 +11,14 @@ faults once, whatever driver carries the bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
+import anyio
 import attrs
 
 from weightpull.clock import Clock, MonotonicClock
-from weightpull.errors import TransportError
-from weightpull.transport import Region, Remote, Transport, WrappedTransport
+from weightpull.errors import TransportError, first_error
+from weightpull.transport import Read2D, Region, Remote, Transport, WrappedTransport, check_2d
 
 CHUNK = 16 << 20  # a capped link paces (and can be cancelled) chunk by chunk
 _SCRIBBLE = 64  # bytes of a torn read that come out different
@@ -35,6 +36,29 @@ class Faults:
     tear_reads: int = 0  # the next N reads are torn (see `freeze`)
     freeze: float = 0.0  # at a torn read, the reader stalls this long mid-copy
     reads: int = 0  # reads started, for tests and the demo's report
+
+
+def row_runs(width: int, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """Bytes [start, stop) of a 2-D read's rows laid end to end, as (first row, column,
+    bytes per row, rows): a partial first row, the whole rows, a partial last row. Faults
+    cut a read at byte counts; this maps the cuts back onto rows."""
+    out: list[tuple[int, int, int, int]] = []
+    if not width or stop <= start:
+        return out
+    row, col = divmod(start, width)
+    if col:
+        n = min(width - col, stop - start)
+        out.append((row, col, n, 1))
+        start += n
+        row += 1
+    whole = (stop - start) // width
+    if whole:
+        out.append((row, 0, width, whole))
+        start += whole * width
+        row += whole
+    if stop > start:
+        out.append((row, 0, stop - start, 1))
+    return out
 
 
 class FaultInjector:
@@ -105,6 +129,42 @@ class FaultyTransport(WrappedTransport):
 
         dst = None if local.view is None else local.view[local_offset : local_offset + nbytes]
         await self._injector.read(self.faults, nbytes, copy, dst)
+
+    async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
+        """Each 2-D read faulted as one read of its bytes (rows end to end), and passed
+        to `inner`'s own 2-D reads. A torn one scribbles nowhere: its rows are apart."""
+
+        for read in reads:
+            check_2d(read)
+
+        async def one(read: Read2D) -> None:
+            remote, r_off, r_pitch, local, l_off, l_pitch, width, height = read
+
+            async def copy(start: int, stop: int) -> None:
+                await self.inner.read_2d_many(
+                    [
+                        (
+                            remote,
+                            r_off + row * r_pitch + col,
+                            r_pitch,
+                            local,
+                            l_off + row * l_pitch + col,
+                            l_pitch,
+                            n,
+                            rows,
+                        )
+                        for row, col, n, rows in row_runs(width, start, stop)
+                    ]
+                )
+
+            await self._injector.read(self.faults, width * height, copy, None)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for read in reads:
+                    tg.start_soon(one, read)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
 
     def __repr__(self) -> str:
         return f"FaultyTransport({self.inner!r}, {self.faults!r})"

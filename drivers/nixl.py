@@ -25,7 +25,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -38,8 +38,20 @@ from weightpull.errors import (
     RegionNotRegisteredError,
     TransportError,
     WeightpullError,
+    first_error,
 )
-from weightpull.transport import Region, RegionTable, Remote, Transport, address_of, check_span, writable_bytes
+from weightpull.transport import (
+    Read2D,
+    Region,
+    RegionTable,
+    Remote,
+    Transport,
+    address_of,
+    check_2d,
+    check_span,
+    span_2d,
+    writable_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +166,7 @@ def _describe(memory: Any, device: str) -> tuple[int, int, int, str, str, memory
 
 class NixlTransport(RegionTable, Transport):
     name = "nixl"
+    native_2d = True
 
     def __init__(
         self,
@@ -304,11 +317,43 @@ class NixlTransport(RegionTable, Transport):
             raise PeerGoneError(f"{what}: the agent has disconnected")
         if not nbytes:
             return
-        key = (peer, reg, remote_offset, local_offset, nbytes)
+        await self._post(peer, reg, (remote_offset, 0, local_offset, 0, nbytes, 1), what)
+
+    async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
+        """Each 2-D read as one NIXL request whose descriptor lists hold a row each."""
+        posts = []
+        for read in reads:
+            check_2d(read)
+            remote, r_off, r_pitch, local, l_off, l_pitch, width, height = read
+            self._check_open()
+            peer = remote.handle
+            if not isinstance(peer, _Peer) or not peer.connected:
+                raise InvalidArgumentError("that remote was not connected by this nixl transport, or was disconnected")
+            reg = self._mine(local, "read into")
+            check_span("remote", *span_2d(r_off, r_pitch, width, height), remote.nbytes)
+            check_span("local", *span_2d(l_off, l_pitch, width, height), local.nbytes)
+            what = f"reading {height} rows of {width} bytes from {r_off} of NIXL agent {peer.agent}"
+            if peer.agent in self._gone:
+                raise PeerGoneError(f"{what}: the agent has disconnected")
+            if width and height:
+                posts.append((peer, reg, (r_off, r_pitch, l_off, l_pitch, width, height), what))
+        try:
+            async with anyio.create_task_group() as tg:
+                for post in posts:
+                    tg.start_soon(self._post, *post)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+
+    async def _post(
+        self, peer: _Peer, reg: _Registration, rows: tuple[int, int, int, int, int, int], what: str
+    ) -> None:
+        """Make one request of `rows` (remote offset, pitch, local offset, pitch, width,
+        height), reusing a transfer prepared for the same spans."""
+        key = (peer, reg, *rows)
         xfer = self._xfers.get(key)
         one_off = xfer is not None and xfer.busy  # a concurrent read of the same span
         if xfer is None or one_off:
-            xfer = _Xfer(self._prepare(peer, reg, remote_offset, local_offset, nbytes, what))
+            xfer = _Xfer(self._prepare(peer, reg, rows, what))
             if not one_off:
                 self._xfers[key] = xfer
                 while len(self._xfers) > _MAX_XFERS:
@@ -328,13 +373,16 @@ class NixlTransport(RegionTable, Transport):
         if one_off:
             self._release(xfer)
 
-    def _prepare(
-        self, peer: _Peer, reg: _Registration, remote_offset: int, local_offset: int, nbytes: int, what: str
-    ) -> Any:
+    def _prepare(self, peer: _Peer, reg: _Registration, rows: tuple[int, int, int, int, int, int], what: str) -> Any:
         agent = self.agent
+        r_off, r_pitch, l_off, l_pitch, width, height = rows
         with nixl_errors(what):
-            local = agent.get_xfer_descs([(reg.addr + local_offset, nbytes, reg.dev)], reg.mem)
-            remote = agent.get_xfer_descs([(peer.addr + remote_offset, nbytes, peer.dev)], peer.mem)
+            local = agent.get_xfer_descs(
+                [(reg.addr + l_off + i * l_pitch, width, reg.dev) for i in range(height)], reg.mem
+            )
+            remote = agent.get_xfer_descs(
+                [(peer.addr + r_off + i * r_pitch, width, peer.dev) for i in range(height)], peer.mem
+            )
             return agent.initialize_xfer("READ", local, remote, peer.agent)
 
     async def _transfer(self, xfer: _Xfer, peer: _Peer, what: str) -> None:

@@ -187,3 +187,40 @@ async def test_serve_runs_until_cancelled_or_returns(transport, peer):
     transport.allocate(4096)
     with anyio.move_on_after(0.05):
         await transport.serve()
+
+
+async def test_2d_reads_copy_every_row_and_only_the_rows(transport, peer):
+    """A column band of a row-major array (a row-parallel share): rows `pitch` apart on
+    the peer, packed or apart locally; native or one read per row, the bytes are the same."""
+    want = pattern(SIZE, 11)
+    remote = transport.connect(await peer.alloc(SIZE, seed=11))
+    mine = bytearray(b"\xaa" * 65536)
+    local = transport.register(mine)
+    width, pitch, height = 1000, 4099, 40
+    await transport.read_2d(remote, 777, pitch, local, 8, width, width, height)
+    assert bytes(mine[8 : 8 + width * height]) == b"".join(
+        want[777 + i * pitch : 777 + i * pitch + width] for i in range(height)
+    )
+    assert mine[:8] == b"\xaa" * 8 and mine[8 + width * height :] == b"\xaa" * (65536 - 8 - width * height)
+    mine[:] = b"\xaa" * 65536
+    await transport.read_2d_many(
+        [
+            (remote, 0, 100, local, 0, 300, 100, 50),  # spread apart locally
+            (remote, SIZE - 64, 0, local, 20000, 64, 64, 3),  # the peer's last bytes, three times
+            (remote, 5, 7, local, 30000, 7, 0, 9),  # nothing
+            (remote, 5, 7, local, 30000, 7, 7, 0),  # nothing
+        ]
+    )
+    for i in range(50):
+        assert bytes(mine[i * 300 : i * 300 + 100]) == want[i * 100 : i * 100 + 100]
+        assert mine[i * 300 + 100 : i * 300 + 300] == b"\xaa" * 200
+    assert bytes(mine[20000:20192]) == want[-64:] * 3
+    assert mine[30000:] == b"\xaa" * (65536 - 30000)
+    with pytest.raises(InvalidArgumentError, match="rows would overlap"):
+        await transport.read_2d(remote, 0, 100, local, 0, 50, 100, 2)
+    with pytest.raises(InvalidArgumentError, match=">= 0"):
+        await transport.read_2d(remote, 0, -1, local, 0, 100, 100, 2)
+    with pytest.raises(RegionNotRegisteredError):
+        await transport.read_2d(remote, 0, SIZE, local, 0, 100, 100, 2)  # the second row lies past the peer's end
+    with pytest.raises(RegionNotRegisteredError):
+        await transport.read_2d(remote, 0, 100, local, 65536 - 150, 100, 100, 2)  # past the local end

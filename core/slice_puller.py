@@ -1,0 +1,296 @@
+"""The slice puller: one tensor-parallel rank of a replica pulls only its slice.
+
+It leases a version as the `Puller` does, plans its reads with `plan_slice` (from the
+trainer's M shards straight into this rank's mirror, 2-D where rows are strided), makes
+them while renewing the lease, and keeps the copy only if the lease is still valid
+after the last byte landed: the same guarantee, on fewer bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Self
+
+import anyio
+import attrs
+
+from . import transports
+from .clock import Clock, MonotonicClock
+from .errors import (
+    InvalidArgumentError,
+    NoProgressError,
+    PeerGoneError,
+    RegionNotRegisteredError,
+    TornReadError,
+    WeightpullError,
+    first_error,
+)
+from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES
+from .manifest import Manifest
+from .puller import _LEASE_LOST, DEFAULT_STALL_TIMEOUT, _default_holder, _Pacer
+from .registry import Lease, Registry
+from .slices import RankSlice, SlicePlan, SliceRead, plan_slice
+from .transport import Read2D, Region, Remote, Transport
+
+log = logging.getLogger(__name__)
+
+_BATCH_BYTES = 64 << 20  # progress is counted per batch: one lands well within a stall timeout
+_BATCH_READS = 4096
+_PLANS_KEPT = 4
+
+
+@attrs.frozen
+class SlicePulled:
+    """This rank's complete, verified slice of one version, in its mirror; valid until
+    the next pull into the same mirror starts."""
+
+    version: int
+    manifest: Manifest
+    plan: SlicePlan
+    region: Region
+    seconds: float
+    renewals: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank read."""
+        return self.plan.nbytes
+
+    def view(self, name: str) -> memoryview:
+        """The bytes of parameter `name` in a host mirror."""
+        p = self.plan.mirror[name]
+        return self.region.host_view()[p.offset : p.end]
+
+
+def _batches(reads: Sequence[SliceRead]) -> list[list[SliceRead]]:
+    out: list[list[SliceRead]] = [[]]
+    size = 0
+    for r in reads:
+        if out[-1] and (size + r.nbytes > _BATCH_BYTES or len(out[-1]) >= _BATCH_READS):
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += r.nbytes
+    return [b for b in out if b]
+
+
+class SlicePuller:
+    def __init__(
+        self,
+        registry: Registry,
+        transport: Transport,
+        rank_slice: RankSlice,
+        *,
+        holder: str | None = None,
+        ttl: float = 10.0,
+        renew_every: float | None = None,
+        device: str = "cpu",
+        staging: bool | None = None,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        align: int = DEFAULT_ALIGN,
+        clock: Clock | None = None,
+    ) -> None:
+        """Rank `rank_slice.rank` of a replica, holding `rank_slice`'s parameters in a
+        mirror on `device` packed by (`bucket_bytes`, `align`). The lease, renewal and
+        stall rules are the `Puller`'s. Versions carry no digests for slices (a sharded
+        version records none), so none are checked."""
+        if ttl <= 0:
+            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
+        self.registry = registry
+        self.transport = transports.for_device(transport, device, staging)
+        self.rank_slice = rank_slice
+        self.holder = holder or _default_holder(registry)
+        self.ttl = ttl
+        self.renew_every = renew_every or ttl / 3
+        if not 0 < self.renew_every < ttl:
+            raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
+        self.device = device
+        self.stall_timeout = stall_timeout
+        self.bucket_bytes, self.align = bucket_bytes, align
+        self.clock = clock or MonotonicClock()
+        self.mirror: Region | None = None
+        self.mirror_version: int | None = None
+        self._mirror_layout: str | None = None
+        self._plans: OrderedDict[tuple[int, str], SlicePlan] = OrderedDict()
+        self._remotes: dict[bytes, Remote] = {}
+        self._lock: anyio.Lock | None = None
+
+    async def pull(self, version: int | None = None) -> SlicePulled:
+        """This rank's slice of the newest READY version (or `version`). Raises as
+        `Puller.pull` does: `TornReadError` when the lease lapsed during the read,
+        `NoProgressError` on a stall, the transport's error otherwise; the lease is
+        released on every path."""
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            return await self._pull(version)
+
+    async def _pull(self, version: int | None) -> SlicePulled:
+        started = self.clock.now()
+        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
+        try:
+            manifest = await self.registry.get(lease.version)
+            if manifest.transport != self.transport.name:
+                raise InvalidArgumentError(
+                    f"v{manifest.version} was published over {manifest.transport!r}; "
+                    f"this puller reads over {self.transport.name!r}"
+                )
+            plan = self._plan(manifest)
+            mirror = self._mirror_for(plan)
+            remotes = [self._remote(s) for s in plan.sources]
+            self.mirror_version = None
+            try:
+                lease, renewals = await self._read_all(lease, pacer, manifest, plan, remotes, mirror)
+            except (RegionNotRegisteredError, PeerGoneError, NoProgressError):
+                self._forget(plan)
+                raise
+            self.mirror_version = manifest.version
+            return SlicePulled(manifest.version, manifest, plan, mirror, self.clock.now() - started, renewals)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.registry.release(lease)
+                except WeightpullError as exc:
+                    log.warning("%s: could not release lease %s: %s", self.holder, lease.id, exc)
+
+    def _plan(self, manifest: Manifest) -> SlicePlan:
+        """Plans depend on the layout and the shards' rows only: made once per version."""
+        key = (manifest.version, manifest.layout.signature)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_slice(manifest, self.rank_slice, bucket_bytes=self.bucket_bytes, align=self.align)
+            self._plans[key] = plan
+            while len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan
+
+    async def _read_all(
+        self,
+        lease: Lease,
+        pacer: _Pacer,
+        manifest: Manifest,
+        plan: SlicePlan,
+        remotes: list[Remote],
+        mirror: Region,
+    ) -> tuple[Lease, int]:
+        renewals = 0
+        lost: list[BaseException] = []
+        landed, last_landed, stalled = 0, self.clock.now(), False
+
+        def note(nbytes: int) -> None:
+            nonlocal landed, last_landed
+            landed += nbytes
+            last_landed = self.clock.now()
+
+        async def renew_loop() -> None:
+            nonlocal lease, renewals
+            while True:
+                await self.clock.sleep(pacer.due - self.clock.now())
+                sent = self.clock.now()
+                try:
+                    lease = await self.registry.renew(lease)
+                except _LEASE_LOST as exc:
+                    lost.append(exc)
+                    tg.cancel_scope.cancel()
+                    return
+                except WeightpullError as exc:
+                    log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
+                    pacer.failed(sent)
+                    continue
+                renewals += 1
+                pacer.granted(lease, sent, self.clock.now())
+
+        async def batch(reads: list[SliceRead], done: Callable[[int], None]) -> None:
+            flat = [(remotes[r.shard], r.src, mirror, r.dst, r.width) for r in reads if r.height == 1]
+            strided: list[Read2D] = [
+                (remotes[r.shard], r.src, r.src_pitch, mirror, r.dst, r.dst_pitch, r.width, r.height)
+                for r in reads
+                if r.height > 1
+            ]
+            if flat:
+                await self.transport.read_many(flat)
+            if strided:
+                await self.transport.read_2d_many(strided)
+            done(sum(r.nbytes for r in reads))
+
+        async def read_all() -> None:
+            async with anyio.create_task_group() as readers:
+                for reads in _batches(plan.reads):
+                    readers.start_soon(batch, reads, note)
+            tg.cancel_scope.cancel()
+
+        async def watchdog(timeout: float) -> None:
+            nonlocal stalled
+            while (left := last_landed + timeout - self.clock.now()) > 0:
+                await self.clock.sleep(left)
+            stalled = True
+            tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                if plan.reads:
+                    tg.start_soon(renew_loop)
+                    tg.start_soon(read_all)
+                    if self.stall_timeout is not None:
+                        tg.start_soon(watchdog, self.stall_timeout)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        if stalled and not lost:
+            raise NoProgressError(
+                f"{self.holder}: no read of v{manifest.version}'s slice landed in {self.stall_timeout:g} s "
+                f"({landed} of {plan.nbytes} bytes read) over {manifest.transport}"
+            )
+        if lost or not await self.registry.is_valid(lease):
+            raise TornReadError(
+                f"{self.holder}: the lease on v{manifest.version} lapsed during the read; "
+                "the slice may mix versions and was rejected"
+            ) from (lost[0] if lost else None)
+        return lease, renewals
+
+    def _mirror_for(self, plan: SlicePlan) -> Region:
+        """This rank's mirror; a new one only when the plan needs more room. Bytes no read
+        writes (a vocab's padding rows) stay as allocated: zero. A new mirror only when
+        its layout changes (rare: the model changed shape)."""
+        if self.mirror is not None and self._mirror_layout == plan.mirror.signature:
+            return self.mirror
+        if self.mirror is not None:  # another layout: a fresh mirror, so its unread bytes are zero
+            self.transport.deregister(self.mirror)
+        self.mirror = self.transport.allocate(plan.mirror.total_bytes, self.device)
+        self._mirror_layout = plan.mirror.signature
+        return self.mirror
+
+    def _remote(self, descriptor: bytes) -> Remote:
+        remote = self._remotes.get(descriptor)
+        if remote is None:
+            remote = self._remotes[descriptor] = self.transport.connect(descriptor)
+        return remote
+
+    def _forget(self, plan: SlicePlan) -> None:
+        for descriptor in plan.sources:
+            remote = self._remotes.pop(descriptor, None)
+            if remote is not None:
+                self.transport.disconnect(remote)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Disconnect from every slot and deregister the mirror; the registry and the
+        transport stay the caller's."""
+        for remote in self._remotes.values():
+            self.transport.disconnect(remote)
+        self._remotes.clear()
+        if self.mirror is not None:
+            self.transport.deregister(self.mirror)
+            self.mirror = None
+            self.mirror_version = None
