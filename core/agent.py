@@ -31,6 +31,7 @@ from .errors import (
     TornReadError,
     TransportError,
     VersionWaitTimeoutError,
+    WeightpullError,
 )
 from .registry import Registry
 
@@ -141,6 +142,7 @@ class UpdateAgent:
             raise InvalidArgumentError(f"agent {self.name!r} is already running")
         self._running = True
         try:
+            await self._prepare()
             while True:
                 version = await self._next_version()
                 if await self._prefetch(version):
@@ -154,6 +156,18 @@ class UpdateAgent:
         finally:
             self._running = False
             self._notify()
+
+    async def _prepare(self) -> None:
+        """Let an engine that can (an optional `prepare()`, e.g. its puller's) map the
+        publishers' reserved slots and size its mirror before the first version. Only
+        quicker: a failure is logged and the first pull does it."""
+        prepare = getattr(self.engine, "prepare", None)
+        if prepare is None:
+            return
+        try:
+            await prepare()
+        except WeightpullError as exc:
+            log.warning("agent %s: could not prepare ahead of the first version: %s", self.name, exc)
 
     def _target(self) -> int:
         """The version the replica waits for: `min_version_lag` past the one it serves,

@@ -37,12 +37,13 @@ from .errors import (
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal, Role
-from .registry import Registry, as_streaming
+from .records import Reservation
+from .registry import Registry, ReservingRegistry, as_streaming
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
 from .tensors import TensorAdapter, adapter_for, landing, normalize_dtype
-from .transport import Region, Transport
+from .transport import Region, Transport, fault_in
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class Publisher:
         self.adapter = adapter
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.last_version: int | None = None  # the number the registry gave the last publish
+        self.reservation: Reservation | None = None  # the slots `reserve` registered, last
         self._last_asked: int | None = None
         self._adopted = False  # whether the registry's record of our slots was read
         self._plans: tuple[Any, tuple[Layout, tuple[Rows, ...], Layout]] | None = None  # (what, plan)
@@ -430,14 +432,25 @@ class Publisher:
         this many bytes), so that the first publish is as quick as the rest. It runs in a
         worker thread: page-locking and registering gigabytes takes seconds, and the event
         loop meanwhile keeps the registry's heartbeat going. Publishing reserves what it
-        must by itself, the same way; a model that outgrows the slots re-registers them."""
+        must by itself, the same way; a model that outgrows the slots re-registers them.
+
+        The slots are then registered with the registry (a `Reservation`), so that
+        replicas map them and size their mirrors before the first version
+        (`Puller.prepare`)."""
         if isinstance(tensors, int):
-            nbytes = tensors
+            nbytes = version_bytes = tensors
+            if shard is not None:
+                version_bytes = 0  # a shard's slot: the whole version's size is not known
         else:
-            nbytes = self._plan(list(tensors), shard)[2].total_bytes
+            layout, _, slot_layout = self._plan(list(tensors), shard)
+            nbytes, version_bytes = slot_layout.total_bytes, layout.total_bytes
         for slot in self.slots:
             if slot.state is not SlotState.WRITING:
                 await self._fit(slot, nbytes)
+        sources = tuple(s.descriptor for s in self.slots if s.region is not None)
+        self.reservation = Reservation(self.name, self.transport.name, sources, version_bytes)
+        if isinstance(self.registry, ReservingRegistry):
+            await self.registry.reserve(self.reservation)
 
     async def _fit(self, slot: _Slot, nbytes: int) -> Region:
         """The slot's memory, registered once; again only if the model outgrew it."""
@@ -449,6 +462,7 @@ class Publisher:
 
         def allocate() -> tuple[Region, bytes]:
             region = self.transport.allocate(nbytes, self.device)
+            fault_in(region)  # not in the first version's copy
             return region, self.transport.export(region)
 
         region, slot.descriptor = (

@@ -40,9 +40,9 @@ from .layout import Layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal
 from .records import Progress
-from .registry import Lease, Registry, as_streaming
+from .registry import Lease, Registry, ReservingRegistry, as_streaming
 from .states import VersionState
-from .transport import Region, Remote, Transport
+from .transport import Region, Remote, Transport, fault_in
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,36 @@ class Puller:
             self._behind = pulled.version - before if version is None and before is not None else None
             self._last = pulled
             return pulled
+
+    async def prepare(self) -> int:
+        """Do now what the first pull would do first, from the slots publishers registered
+        ahead (`Publisher.reserve`): register the mirror at the size their versions take,
+        connect to each slot and map it (page-locking a host slot takes seconds for
+        gigabytes). It runs in worker threads, so the event loop keeps renewing leases,
+        and pulls wait for it. Returns the slots mapped: 0 while no publisher over this
+        transport has reserved any (or the registry takes no reservations). Calling it
+        again maps slots reserved since; a slot it cannot map is logged and left to the
+        first pull, which fails on it as it would have anyway."""
+        if not isinstance(self.registry, ReservingRegistry):
+            return 0
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            found = [r for r in await self.registry.reservations() if r.transport == self.transport.name]
+            nbytes = max((r.nbytes for r in found), default=0)
+            if self.mirror is None and nbytes:  # only a first mirror: a later one may be being applied
+                self.mirror = await self._allocate(nbytes)
+            sources = [source for r in found for source in r.sources]
+            mapped = 0
+            for source in sources:
+                try:
+                    remote = self._remote(source, keep=len(sources))
+                    await anyio.to_thread.run_sync(self.transport.prepare, remote, self.device)
+                except WeightpullError as exc:
+                    log.warning("%s: could not map a reserved slot ahead: %s", self.holder, exc)
+                    continue
+                mapped += 1
+            return mapped
 
     def metrics(self) -> dict[str, int | float]:
         """This puller's figures, flat, for a trainer's or a replica's logger: the last
@@ -475,8 +505,19 @@ class Puller:
             return self.mirror
         if self.mirror is not None:
             self.transport.deregister(self.mirror)
+            self.mirror = None
         self.mirror = self.transport.allocate(layout.total_bytes, self.device)
         return self.mirror
+
+    async def _allocate(self, nbytes: int) -> Region:
+        """A mirror made ahead, its pages touched: the first pull then runs as the rest."""
+
+        def allocate() -> Region:
+            region = self.transport.allocate(nbytes, self.device)
+            fault_in(region)
+            return region
+
+        return await anyio.to_thread.run_sync(allocate) if self.transport.slow_allocate else allocate()
 
     def _remote(self, descriptor: bytes, keep: int = 1) -> Remote:
         """Connect once per slot descriptor, not once per pull; never drop one of the

@@ -52,6 +52,18 @@ class Progress(schema.Record):
 
 
 @attrs.frozen
+class Reservation(schema.Record):
+    """What a publisher registered before its first version: its slots' descriptors over
+    `transport`, and how many bytes each of its versions will take in a reader's mirror
+    (0: not known). Readers map the slots and size their mirror from it ahead of v1."""
+
+    publisher: str
+    transport: str
+    sources: tuple[bytes, ...]
+    nbytes: int = 0
+
+
+@attrs.frozen
 class LeaseInfo(schema.Record):
     id: str
     version: int

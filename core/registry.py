@@ -19,7 +19,7 @@ from .clock import Clock, MonotonicClock, within
 from .errors import DriverUnavailableError, InvalidArgumentError, VersionStateError, VersionWaitTimeoutError
 from .manifest import Manifest
 from .principals import ADMIN, Principal
-from .records import Lease, LeaseInfo, Progress, RegistryStatus, VersionInfo
+from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
 from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
 from .states import VersionState
 
@@ -34,6 +34,8 @@ __all__ = [
     "Registry",
     "RegistryMachine",
     "RegistryStatus",
+    "Reservation",
+    "ReservingRegistry",
     "StreamingRegistry",
     "as_streaming",
     "VersionInfo",
@@ -94,6 +96,17 @@ class StreamingRegistry(Registry, Protocol):
     async def mark(self, version: int, committed: int) -> None: ...
     async def progress(self, version: int) -> Progress: ...
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress: ...
+
+
+@runtime_checkable
+class ReservingRegistry(Protocol):
+    """A registry that takes publishers' slots ahead of their first version (every
+    registry of weightpull's own does): a publisher's `reserve` registers them, and a
+    puller's `prepare` maps them and sizes its mirror from `reservations()`, so that the
+    first version moves as quickly as the rest."""
+
+    async def reserve(self, reservation: Reservation) -> None: ...
+    async def reservations(self) -> tuple[Reservation, ...]: ...
 
 
 def as_streaming(registry: Registry) -> StreamingRegistry:
@@ -175,6 +188,12 @@ class InProcessRegistry:
 
     async def progress(self, version: int) -> Progress:
         return self.machine.progress(version, by=self.principal)
+
+    async def reserve(self, reservation: Reservation) -> None:
+        self.machine.reserve(reservation, by=self.principal)
+
+    async def reservations(self) -> tuple[Reservation, ...]:
+        return self.machine.reservations(by=self.principal)
 
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
         """The version's progress once `at_least` of its buckets may be read (or it is

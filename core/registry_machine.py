@@ -48,7 +48,7 @@ from .errors import (
 )
 from .manifest import Manifest
 from .principals import ADMIN, Principal, Role, root
-from .records import Lease, LeaseInfo, Progress, RegistryStatus, VersionInfo
+from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
 from .states import LEASE, VERSION, LeaseEvent, LeaseState, VersionEvent, VersionState
@@ -58,6 +58,8 @@ log = logging.getLogger("weightpull.registry")
 DEFAULT_MAX_TTL = 600.0
 MAX_VERSION = 2**63 - 1  # versions fit a signed 64-bit integer wherever they are stored
 MAX_VERSION_JUMP = 2**32  # how far past the highest version a non-admin may ask to begin
+MAX_RESERVED_SLOTS = 64  # slots one publisher may reserve ahead
+MAX_RESERVATIONS = 1024  # publishers with a reservation at once: the table cannot grow without bound
 _MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
 
 
@@ -137,6 +139,7 @@ class RegistryMachine:
         self._lease_prefix = uuid.uuid4().hex[:12]
         self._lease_ids = itertools.count(1)
         self._watchers: list[Callable[[], None]] = []
+        self._reservations: dict[str, Reservation] = {}  # publisher -> its slots, registered ahead
 
     @property
     def newest_ready(self) -> int | None:
@@ -471,6 +474,33 @@ class RegistryMachine:
         self._serving[replica] = check_int("version", version)
         self._touch(root(replica))
 
+    # -- reservations --------------------------------------------------------------------
+
+    def reserve(self, reservation: Reservation, *, by: Principal = ADMIN) -> None:
+        """A publisher's slots, registered before its first version, so that readers map
+        them and size their mirror ahead of v1. A publisher's newer reservation replaces
+        its older; all of a publisher's go when its liveness lapses (its slots with it)."""
+        self._enter(by, "reserve")
+        if not isinstance(reservation, Reservation):
+            raise InvalidArgumentError(f"reserve takes a Reservation, got {type(reservation).__name__}")
+        check_name("publisher", reservation.publisher)
+        self._check_publisher(by, "reserve", reservation.publisher)
+        check_int("nbytes", reservation.nbytes)
+        if not 0 < len(reservation.sources) <= MAX_RESERVED_SLOTS:
+            raise InvalidArgumentError(
+                f"a reservation names 1 to {MAX_RESERVED_SLOTS} slots, got {len(reservation.sources)}"
+            )
+        if reservation.publisher not in self._reservations and len(self._reservations) >= MAX_RESERVATIONS:
+            raise InvalidArgumentError(
+                f"the registry holds {MAX_RESERVATIONS} reservations already; {reservation.publisher!r} cannot add one"
+            )
+        self._reservations[reservation.publisher] = reservation
+
+    def reservations(self, *, by: Principal = ADMIN) -> tuple[Reservation, ...]:
+        """Every live publisher's reservation, by publisher name."""
+        self._enter(by, "reservations")
+        return tuple(self._reservations[p] for p in sorted(self._reservations))
+
     def keepalive(self, names: tuple[str, ...] | list[str] = (), *, by: Principal = ADMIN) -> None:
         """Renew the liveness of `by` and of the names given (publisher or replica names it
         owns): what a client's heartbeat sends. Every other operation renews `by` too."""
@@ -597,6 +627,8 @@ class RegistryMachine:
             self._lapsed.add(name)
             for replica in [r for r in self._serving if root(r) == name]:  # it serves nothing now
                 del self._serving[replica]
+            for publisher in [p for p in self._reservations if root(p) == name]:  # its slots are gone
+                del self._reservations[publisher]
             why = f"publisher {name!r} lapsed: not heard from for {self.liveness_ttl:g} s"
             for record in sorted(self._versions.values(), key=lambda r: r.version):
                 if record.owner != name:

@@ -116,7 +116,8 @@ class Staging:
     def __init__(self, specs: Sequence[TensorSpec], device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.layout = plan_layout(specs)
-        self.buffer = torch.empty(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+        # Zeros, not empty: its pages are touched now, not in the first publish's copy.
+        self.buffer = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
         region = Region(self.layout.total_bytes, str(self.device), self.buffer)
         self.views = {p.spec.name: tensor_at(region, p) for p in self.layout.placements}
 
@@ -203,6 +204,8 @@ class SnapshotPublisher:
         self._serving = self._portal.start_task_soon(self.publisher.serve)  # peers' reads may need our progress
         # The slots now, off the trainer's first step: page-locking them takes seconds.
         self._portal.call(functools.partial(self.publisher.reserve, self.specs, shard=sharding))
+        if not stream or sharding is not None:  # a publish that snapshots needs the staging buffer: make it now too
+            _ = self.staging
         self._last: Ticket | None = None
         self._reported: Ticket | None = None  # whose failure was logged
 

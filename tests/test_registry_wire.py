@@ -149,9 +149,10 @@ def test_keepalive_and_a_numberless_begin_are_on_the_wire():
 
 
 def test_every_operation_of_the_registry_is_on_the_wire():
-    from weightpull.registry import Registry, StreamingRegistry
+    from weightpull.registry import Registry, ReservingRegistry, StreamingRegistry
 
-    methods = {m for protocol in (Registry, StreamingRegistry) for m in vars(protocol) if not m.startswith("_")}
+    protocols = (Registry, StreamingRegistry, ReservingRegistry)
+    methods = {m for protocol in protocols for m in vars(protocol) if not m.startswith("_")}
     assert methods <= set(wire.OPS)
     assert {op for op, spec in wire.OPS.items() if spec.mutates} == {
         "begin",
@@ -165,6 +166,7 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "report_serving",
         "stream",
         "mark",
+        "reserve",
     }
 
 

@@ -13,7 +13,18 @@ import anyio
 import attrs
 
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError, RegionNotRegisteredError, TransportError
-from weightpull.transport import Region, RegionTable, Remote, Transport, address_of, check_span, writable_bytes
+from weightpull.transport import (
+    Read2D,
+    Region,
+    RegionTable,
+    Remote,
+    Transport,
+    address_of,
+    check_2d,
+    check_span,
+    span_2d,
+    writable_bytes,
+)
 
 from . import mappings
 from .driver_api import ALREADY_REGISTERED, HOSTREGISTER_PORTABLE, DeviceMemory, IpcHandle, cuda
@@ -54,6 +65,7 @@ def _device_index(device: str) -> int:
 class CudaIpcTransport(RegionTable, Transport):
     name = "cuda_ipc"
     reads_into_gpu = True
+    native_2d = True
 
     def __init__(self, *, device: str | None = None) -> None:
         """`device` copies into host regions (default: the current CUDA device); reads into
@@ -251,6 +263,19 @@ class CudaIpcTransport(RegionTable, Transport):
         self._imports.add(imp)
         return Remote(nbytes, descriptor, handle=imp)
 
+    def prepare(self, remote: Remote, device: str = "cpu") -> None:
+        """Map `remote` for reads into `device` memory now: a host slot is page-locked
+        (seconds for gigabytes), a GPU slot's IPC handle opened on that GPU."""
+        self._check_open()
+        imp = remote.handle
+        if not isinstance(imp, Import) or not imp.connected:
+            raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+        index = self.device if device == "cpu" else _device_index(device)
+        imp.check_owner(f"mapping a region of process {imp.owner_pid}")
+        if imp.needs_host_map:
+            mappings.map_host(imp, index)
+        mappings.map_device(imp, index)
+
     def disconnect(self, remote: Remote) -> None:
         if isinstance(remote.handle, Import):
             self._drop(remote.handle)
@@ -312,6 +337,47 @@ class CudaIpcTransport(RegionTable, Transport):
                 owners = sorted({r[0].handle.owner_pid for r in reads})
                 raise TransportError(
                     f"reading {len(reads)} span(s) of regions of process(es) {owners} "
+                    f"on cuda:{lane.device}: {cuda().error_name(wait.result)}"
+                )
+
+    async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
+        """Each 2-D read as one cuMemcpy2DAsync on its lane (rows closer than their width
+        go one copy per row); then wait once per lane, as `read_many` does."""
+        self._check_open()
+        for read in reads:
+            check_2d(read)
+        checked: set[Import] = set()
+        for imp in {r[0].handle for r in reads if r[6] and r[7] and isinstance(r[0].handle, Import)}:
+            if imp.needs_host_map:
+                imp.check_owner(f"reading a region of process {imp.owner_pid}")
+                checked.add(imp)
+                await anyio.to_thread.run_sync(mappings.map_host, imp, self.device)
+        last: dict[Lane, Wait] = {}
+        try:
+            for remote, r_off, r_pitch, local, l_off, l_pitch, width, height in reads:
+                if not width or not height:
+                    continue
+                r_span, l_span = span_2d(r_off, r_pitch, width, height), span_2d(l_off, l_pitch, width, height)
+                check_span("remote", *r_span, remote.nbytes)
+                check_span("local", *l_span, local.nbytes)
+                lane, dst, src = self._route(remote, r_off, local, l_off, width, checked)
+                check_span("exported", *r_span, remote.handle.exported)
+                if r_pitch >= width and height > 1:
+                    last[lane] = lane.copy_2d(dst, l_pitch, src, r_pitch, width, height)
+                else:
+                    for i in range(height):
+                        last[lane] = lane.copy(dst + i * l_pitch, src + i * r_pitch, width)
+        except BaseException:
+            for lane in last:
+                lane.drain()
+            raise
+        for lane, wait in last.items():
+            await lane.fence(wait)
+        for lane, wait in last.items():
+            if wait.result:
+                owners = sorted({r[0].handle.owner_pid for r in reads})
+                raise TransportError(
+                    f"reading {len(reads)} 2-D span(s) of regions of process(es) {owners} "
                     f"on cuda:{lane.device}: {cuda().error_name(wait.result)}"
                 )
 

@@ -49,6 +49,7 @@ from weightpull.errors import (
     InvalidArgumentError,
     MalformedMessageError,
     MessageTooLargeError,
+    ProtocolError,
     RegistryError,
     RegistryUnavailableError,
     VersionNotFoundError,
@@ -56,7 +57,7 @@ from weightpull.errors import (
 )
 from weightpull.manifest import Manifest
 from weightpull.principals import ADMIN, Principal
-from weightpull.records import Progress
+from weightpull.records import Progress, Reservation
 from weightpull.registry import Lease, RegistryStatus
 from weightpull.tasks import close_owned
 
@@ -292,6 +293,15 @@ class ZmqRegistry:
 
     async def progress(self, version: int) -> Progress:
         return Progress.from_dict(await self._call("progress", version=version))
+
+    async def reserve(self, reservation: Reservation) -> None:
+        await self._call("reserve", reservation=reservation.to_dict())
+
+    async def reservations(self) -> tuple[Reservation, ...]:
+        found = await self._call("reservations")
+        if not isinstance(found, list):
+            raise ProtocolError(f"reservations: expected a list, got {type(found).__name__}")
+        return tuple(Reservation.from_dict(r) for r in found)
 
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
         data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least)

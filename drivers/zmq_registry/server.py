@@ -55,7 +55,7 @@ from weightpull.errors import (
 )
 from weightpull.manifest import Manifest
 from weightpull.principals import ADMIN, Principal
-from weightpull.registry import InProcessRegistry, Lease
+from weightpull.registry import InProcessRegistry, Lease, Reservation
 
 from . import keys as keyfiles
 from . import wire
@@ -425,6 +425,10 @@ class RegistryServer:
                 return m.mark(a["version"], a["committed"], by=by)
             case "progress":
                 return m.progress(a["version"], by=by).to_dict()
+            case "reserve":
+                return m.reserve(Reservation.from_dict(a["reservation"]), by=by)
+            case "reservations":
+                return [r.to_dict() for r in m.reservations(by=by)]
             case "renew":
                 return m.renew(Lease.from_dict(a["lease"]), by=by).to_dict()
             case "release":

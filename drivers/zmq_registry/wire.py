@@ -295,6 +295,8 @@ OPS: Mapping[str, Op] = {
     "stream": Op({"manifest": Object}, True),
     "mark": Op({"version": Count, "committed": Count}, True),
     "progress": Op({"version": Count}, False),
+    "reserve": Op({"reservation": Object}, True),
+    "reservations": Op({}, False),
     "wait_for_buckets": Op({"version": Count, "at_least": Count, "timeout": Seconds | None}, False),
     "renew": Op({"lease": Object}, True),
     "release": Op({"lease": Object}, True),

@@ -132,6 +132,13 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f} GB/s"
 
 
+def _first_row(t: dict[str, Any]) -> list[str]:
+    """The first version's publish->serving (slots and mirror mapped ahead), beside the steady one's."""
+    ratio = t.get("first_to_steady")
+    label = "  first version (slots mapped ahead" + (f"; x{ratio} of steady)" if ratio is not None else ")")
+    return [label, "", "", "", _ms(t["first_publish_to_serving_s"] * 1e3), "", "", ""]
+
+
 def table(r: dict[str, Any]) -> list[str]:
     """Rows for people: weightpull per transport, its limits, then the baselines."""
     lim = r["limits"]
@@ -167,6 +174,7 @@ def table(r: dict[str, Any]) -> list[str]:
                     "yes" if t["byte_exact"] else "NO",
                 ]
             )
+            rows.append(_first_row(t))
             if lm.get("overlapped_ms") is not None:
                 rows.append(
                     [
@@ -206,6 +214,7 @@ def table(r: dict[str, Any]) -> list[str]:
             ]
         )
         rows.append([f"  raw ({t['raw']})", "", _rate(t["raw_gbps"]), "", "", "", "", ""])
+        rows.append(_first_row(t))
     for b in r["baselines"]:
         if "skipped" in b:
             rows.append([f"baseline {b['name']}: skipped, {b['skipped']}", "", "", "", "", "", "", ""])
