@@ -191,7 +191,7 @@ class FakeTransport(Transport):
                 for row, col, n, count in row_runs(width, start, stop):
                     for i in range(row, row + count):
                         s, d = r_off + i * r_pitch + col, l_off + i * l_pitch + col
-                        _memmove(dst[d : d + n], src[s : s + n])
+                        dst[d : d + n] = src[s : s + n]  # rows are short: a slice copy costs less than ctypes
 
             async def copy(start: int, stop: int) -> None:
                 if self.offload:

@@ -429,6 +429,25 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return 0 if gpu.ok(result) else 1
 
 
+def _bench_sharded(args: argparse.Namespace) -> int:
+    _check_transport(args.transport)
+    sharded = _bench_module("sharded", "torch")
+    from weightpull.integrations.bench.util import say_to_stderr
+
+    try:
+        result = sharded.run(
+            args.preset, args.transport, args.shards, args.ranks, args.repeat, say_to_stderr("sharded")
+        )
+    except ValueError as exc:  # an unknown preset, say: the command line's
+        raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # a process of the bench died: the bench says how
+        raise WeightpullError(str(exc)) from exc
+    print("\n".join(sharded.table(result)), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["bit_exact"] else 1
+
+
 def _bench_fsdp(args: argparse.Namespace) -> int:
     fsdp = _bench_module("fsdp", "fsdp")
     return 0 if fsdp.ok(fsdp.run(args)) else 1  # each mode's JSON line is printed as it ends
@@ -720,6 +739,26 @@ def _bench_parser(sub: Any) -> None:
     )
     gpu.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     gpu.set_defaults(func=_bench_gpu)
+
+    sharded = figures.add_parser(
+        "sharded",
+        help="each tensor-parallel rank pulls only its slice from M trainer shards, against one rank pulling the whole",
+        description="SHARDS trainer shards (processes; threads for fake) each publish FSDP2's dim-0 "
+        "chunk of a Qwen3-shaped set; RANKS replica ranks pull their vLLM-style tensor-parallel "
+        "slices at once, REPEAT times, beside one rank pulling the whole version from the same "
+        "shards, and rank 0's strided (2-D) reads timed natively, one read per row and as "
+        "contiguous reads of the same bytes. Every slice is checked bit for bit. With cuda_ipc, "
+        "shard i and rank i sit on cuda:i (docs/sharding.md).",
+    )
+    sharded.add_argument("--preset", default="tiny", help="tensor set: tiny, 0.6b or 8b (default: tiny)")
+    sharded.add_argument(
+        "--transport", default="fake", help="fake (threads), nixl, or cuda_ipc (processes) (default: fake)"
+    )
+    sharded.add_argument("--shards", type=_count(1), default=2, help="trainer shards, M (default: 2)")
+    sharded.add_argument("--ranks", type=_count(1), default=2, help="tensor-parallel ranks, N (default: 2)")
+    sharded.add_argument("--repeat", type=_count(1), default=5, help="timed updates, after one to warm up (default: 5)")
+    sharded.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    sharded.set_defaults(func=_bench_sharded)
 
     fsdp = figures.add_parser(
         "fsdp",

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import time
 from collections import deque
+from typing import Any
 
 import anyio
 import attrs
@@ -15,6 +16,43 @@ from weightpull.errors import TransportError
 from .driver_api import EVENT_DISABLE_TIMING, NOT_READY, STREAM_NON_BLOCKING, cuda
 
 _SPIN_S = 0.002
+_MEMORYTYPE_UNIFIED = 4  # a pointer in the unified address space: device or mapped host
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D, as cuMemcpy2DAsync_v2 takes it."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+_memcpy_2d: Any = None
+
+
+def _copy_2d_fn() -> Any:
+    """cuMemcpy2DAsync_v2 from the driver library (driver_api binds the 1-D calls only)."""
+    global _memcpy_2d
+    if _memcpy_2d is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
+        fn.argtypes, fn.restype = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p], ctypes.c_int
+        _memcpy_2d = fn
+    return _memcpy_2d
 
 
 @attrs.define(eq=False)
@@ -61,6 +99,40 @@ class Lane:
                 self._free.append(event)
             event = self._free[-1]
             cu.check(cu.cuMemcpyAsync(dst, src, nbytes, self.stream), f"queueing a copy of {nbytes} bytes")
+            cu.check(cu.cuEventRecord(event, self.stream), "queueing its event")
+            self._free.pop()
+        finally:
+            cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        wait = Wait(event)
+        self._queue.append(wait)
+        return wait
+
+    def copy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> Wait:
+        """Queue one 2-D copy (`height` rows of `width` bytes, each side's rows a pitch
+        apart) and an event after it; pitches must be at least `width`."""
+        cu = cuda()
+        params = Memcpy2D(
+            srcMemoryType=_MEMORYTYPE_UNIFIED,
+            srcDevice=src,
+            srcPitch=src_pitch,
+            dstMemoryType=_MEMORYTYPE_UNIFIED,
+            dstDevice=dst,
+            dstPitch=dst_pitch,
+            WidthInBytes=width,
+            Height=height,
+        )
+        cu.cuCtxPushCurrent_v2(self.context)
+        try:
+            if not self._free:
+                event = ctypes.c_void_p()
+                cu.check(cu.cuEventCreate(ctypes.byref(event), EVENT_DISABLE_TIMING), "creating an event")
+                self._all.append(event)
+                self._free.append(event)
+            event = self._free[-1]
+            cu.check(
+                _copy_2d_fn()(ctypes.byref(params), self.stream),
+                f"queueing a 2-D copy of {height} rows of {width} bytes",
+            )
             cu.check(cu.cuEventRecord(event, self.stream), "queueing its event")
             self._free.pop()
         finally:
