@@ -478,6 +478,8 @@ def _old_bench_spelling(argv: list[str]) -> list[str]:
     `registry bench` is `bench registry`."""
     i = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     command, rest = argv[i : i + 1], argv[i + 1 :]
+    if command == ["bench"] and rest[:1] and rest[0].split("=")[0] in ("--replicas", "--hosts"):
+        return [*argv[:i], "bench", "fanout", *rest]  # the fan-out's own spelling, not an old one
     if command == ["registry"] and rest[:1] == ["bench"]:
         old, new = "weightpull registry bench", "weightpull bench registry"
         argv = [*argv[:i], "bench", "registry", *rest[1:]]
@@ -651,7 +653,7 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
 def _bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
         "bench",
-        help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry",
+        help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry, fanout",
         description="Each figure weightpull publishes about itself, measured beside the machine's own "
         "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
         "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
@@ -802,6 +804,10 @@ def _bench_parser(sub: Any) -> None:
     registry.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     registry.set_defaults(func=_bench_registry)
 
+    from weightpull.integrations.bench.fanout import add_parser as fanout_parser  # `bench fanout`
+
+    fanout_parser(figures)
+
 
 def _key_arguments(p: argparse.ArgumentParser) -> None:
     """--key and --server-key of a client command, and the deprecated --secret-file."""
@@ -935,6 +941,9 @@ def parser() -> argparse.ArgumentParser:
 
     _bench_parser(sub)
     _keys_parser(sub)
+    from .simulate import add_parser as simulate_parser  # the fan-out model: `weightpull simulate`
+
+    simulate_parser(sub)
 
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ")
     rsub = registry.add_subparsers(dest="registry_command", required=True)

@@ -1,0 +1,97 @@
+"""Emulated hosts (weightpull.integrations.bench.hosts) and the fan-out across them.
+
+They need root (CI runs as root); each test checks that every namespace it made is gone
+afterwards, also when the test body failed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from weightpull.errors import InvalidArgumentError
+from weightpull.integrations.bench import hosts as hostsmod
+from weightpull.integrations.bench.hosts import Hosts, namespaces
+
+pytestmark = pytest.mark.skipif(hostsmod.unavailable_reason() is not None, reason=str(hostsmod.unavailable_reason()))
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = set(namespaces())
+    yield
+    assert set(namespaces()) <= before, "a test left namespaces behind"
+
+
+def _send(h: Hosts, sender: int, receiver: int, nbytes: int) -> float:
+    """Seconds for `nbytes` over TCP from host `sender` to host `receiver`, as the receiver saw them."""
+    server = subprocess.Popen(
+        h.command(
+            receiver,
+            [
+                sys.executable,
+                "-c",
+                "import socket,time\n"
+                "s=socket.socket();s.bind(('0.0.0.0',5001));s.listen();print('up',flush=True)\n"
+                "c,_=s.accept();n=0;t=None\n"
+                "while (b:=c.recv(1<<20)):\n"
+                "    t=t or time.perf_counter();n+=len(b)\n"
+                "print(n,time.perf_counter()-t)",
+            ],
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None and server.stdout.readline().strip() == "up"
+    code = (
+        f"import socket;s=socket.create_connection(('{h.address(receiver)}',5001));s.sendall(bytes({nbytes}));s.close()"
+    )
+    subprocess.run(h.command(sender, [sys.executable, "-c", code]), check=True, timeout=60)
+    got, seconds = server.communicate(timeout=60)[0].split()
+    assert int(got) == nbytes
+    return float(seconds)
+
+
+def test_hosts_reach_each_other_only_through_their_shaped_links():
+    with Hosts(2, rate="80mbit") as h:
+        assert set(namespaces()) >= {h.switch, h.name(0), h.name(1)}
+        # the machine's own namespace holds none of their links
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"wf{h.tag}" not in links
+        seconds = _send(h, 1, 0, 4 << 20)
+        # 80 Mbit/s is 10 MB/s: 4 MiB cannot land in much under 0.3 s (the burst lets ~1 MB through early)
+        assert seconds > 0.25, f"4 MiB in {seconds:.3f} s: the link is not shaped"
+    assert not {h.switch, h.name(0), h.name(1)} & set(namespaces())
+
+
+def test_a_failure_inside_still_deletes_every_namespace():
+    with pytest.raises(RuntimeError, match="boom"):
+        with Hosts(3) as h:
+            made = list(h.made)
+            raise RuntimeError("boom")
+    assert not set(made) & set(namespaces())
+
+
+def test_a_failure_while_making_them_deletes_what_was_made():
+    with pytest.raises(RuntimeError, match="tbf"):
+        Hosts(2, rate="not-a-rate")
+
+
+@pytest.mark.parametrize("count", [0, hostsmod.MAX_HOSTS + 1, True, "2"])
+def test_a_bounded_count(count):
+    with pytest.raises(InvalidArgumentError, match="hosts must be"):
+        Hosts(count)
+
+
+def test_fanout_across_hosts_is_byte_exact_and_crosses_the_trainers_link():
+    from weightpull.integrations.bench.fanout import run_fanout
+
+    result = run_fanout([1, 2], size=8 << 20, bucket=2 << 20, rate="100mbit")
+    rows = {r["replicas"]: r for r in result["rows"]}
+    assert all(r["byte_exact"] for r in rows.values())
+    # Two copies of 8 MiB leave the trainer through 100 Mbit/s (12.5 MB/s): not in under
+    # ~1.3 s, unless UCX bypassed the links (shared memory, CMA) instead of using TCP.
+    floor = 2 * (8 << 20) / 12.5e6
+    assert rows[2]["all_serve_s"] > 0.8 * floor, rows

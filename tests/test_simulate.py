@@ -1,0 +1,135 @@
+"""The fan-out model (weightpull.simulate): its figures where they can be worked out by
+hand, its invariants over random scenarios, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightpull.errors import InvalidArgumentError
+from weightpull.simulate import Failure, Scenario, one_read_s, simulate
+
+MiB = 1 << 20
+BASE = dict(nbytes=64 * MiB, bucket_bytes=8 * MiB, bandwidth=100e6, latency=0.001, bucket_overhead=0.002)
+T_BYTES = 64 * MiB / 100e6  # one host's link carrying the version once
+T_BUCKET = 8 * MiB / 100e6
+
+
+def test_one_replica_takes_one_read():
+    s = Scenario(replicas=1, **BASE)
+    assert simulate(s).all_serve_s == pytest.approx(one_read_s(s))
+    assert one_read_s(s) == pytest.approx(T_BYTES + 8 * 0.003)
+
+
+def test_without_relays_the_trainers_link_carries_every_copy():
+    out = simulate(Scenario(replicas=8, **BASE))
+    # all eight move each bucket together at an eighth of the link, pausing alike between buckets
+    assert out.all_serve_s == pytest.approx(8 * T_BYTES + 8 * 0.003)
+    assert out.max_hops == 1 and out.restarts == 0
+
+
+def test_a_cap_of_one_makes_a_chain_that_pipelines():
+    one = simulate(Scenario(replicas=1, **BASE)).all_serve_s
+    out = simulate(Scenario(replicas=8, relays=True, cap=1, **BASE))
+    assert out.max_hops == 8
+    # each hop adds about one bucket (and its pause), not a whole copy
+    assert out.all_serve_s == pytest.approx(one + 7 * (T_BUCKET + 0.003), rel=0.01)
+
+
+def test_a_cap_of_two_makes_a_tree():
+    one = simulate(Scenario(replicas=1, **BASE)).all_serve_s
+    out = simulate(Scenario(replicas=14, relays=True, cap=2, **BASE))
+    assert out.max_hops == 3
+    assert out.all_serve_s < 2.5 * one  # each link shared by two, three hops of pipelining
+
+
+def test_relays_that_forward_only_whole_copies_do_not_pipeline():
+    forwarded = simulate(Scenario(replicas=3, relays=True, cap=1, **BASE)).all_serve_s
+    whole = simulate(Scenario(replicas=3, relays=True, cap=1, forward=False, **BASE)).all_serve_s
+    # r1 reads the trainer; once it holds all, r2 reads the trainer and r3 reads r1: two rounds
+    assert whole == pytest.approx(2 * one_read_s(Scenario(replicas=1, **BASE)), rel=0.01)
+    assert forwarded < 0.7 * whole
+
+
+def test_without_a_cap_everyone_asks_the_trainer_before_any_relay_holds_a_bucket():
+    direct = simulate(Scenario(replicas=4, **BASE)).all_serve_s
+    assert simulate(Scenario(replicas=4, relays=True, **BASE)).all_serve_s == pytest.approx(direct)
+
+
+def test_a_streamed_publish_paces_the_first_reader():
+    out = simulate(Scenario(replicas=1, publish_s=2.0, **BASE))
+    assert out.all_serve_s == pytest.approx(2.0 + 0.003 + T_BUCKET)  # the last bucket, once committed
+
+
+def test_a_relay_that_dies_makes_its_readers_start_over_elsewhere():
+    chain = dict(replicas=4, relays=True, cap=1, detect_s=0.5, **BASE)
+    calm = simulate(Scenario(**chain))
+    out = simulate(Scenario(**chain, failures=[Failure(2, 0.3)]))
+    assert out.serve_s[1] is None  # replica 2 died
+    assert all(t is not None for i, t in enumerate(out.serve_s) if i != 1)
+    assert out.restarts == 1  # replica 3 read from it; replica 4 reads from 3 and waits
+    assert out.all_serve_s > calm.all_serve_s + 0.5
+
+
+def test_a_replica_that_dies_after_serving_costs_nobody_a_restart():
+    out = simulate(Scenario(replicas=3, **BASE, failures=[Failure(1, 100.0)]))
+    assert out.restarts == 0 and out.serve_s[0] is None
+
+
+def test_the_same_scenario_gives_the_same_outcome():
+    s = Scenario(replicas=20, relays=True, cap=3, failures=[Failure(5, 0.2), Failure(9, 0.4)], **BASE)
+    assert simulate(s) == simulate(s)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(replicas=0),
+        dict(nbytes=1.5),
+        dict(bucket_bytes=0),
+        dict(bandwidth=0),
+        dict(latency=-1),
+        dict(cap=0),
+        dict(failures=[Failure(9, 1.0)]),
+    ],
+)
+def test_bad_scenarios_are_refused(bad):
+    with pytest.raises(InvalidArgumentError):
+        Scenario(**{**dict(replicas=2, **BASE), **bad})
+    with pytest.raises(InvalidArgumentError):
+        simulate("a scenario")  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    buckets=st.integers(1, 6),
+    relays=st.booleans(),
+    cap=st.none() | st.integers(1, 3),
+    forward=st.booleans(),
+    deaths=st.lists(st.tuples(st.integers(1, 12), st.floats(0, 3)), max_size=3),
+)
+def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(n, buckets, relays, cap, forward, deaths):
+    failures = [Failure(r, at) for r, at in deaths if r <= n]
+    s = Scenario(
+        replicas=n,
+        nbytes=buckets * MiB,
+        bucket_bytes=MiB,
+        bandwidth=10e6,
+        latency=0.001,
+        relays=relays,
+        cap=cap,
+        forward=forward,
+        failures=failures,
+        detect_s=0.2,
+    )
+    out = simulate(s)
+    dead = {f.replica for f in failures}
+    assert [i + 1 for i, t in enumerate(out.serve_s) if t is None] == sorted(dead)
+    live = [t for t in out.serve_s if t is not None]
+    alone = buckets * MiB / 10e6
+    assert all(t >= alone - 1e-9 for t in live)  # nobody receives faster than its own link
+    if not relays and not failures and live:
+        assert out.all_serve_s >= n * alone - 1e-9  # the trainer's link carried every copy
+    assert out.max_hops <= n

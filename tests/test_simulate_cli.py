@@ -1,0 +1,75 @@
+"""`weightpull simulate` and the spelling of `bench fanout`, from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightpull.integrations.cli import _old_bench_spelling, main, parser
+
+
+def run(capsys, *argv):
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_simulate_prints_both_modes_and_relays_win_at_scale(capsys):
+    status, out, _ = run(capsys, "simulate", "--model", "8b", "--replicas", "1,64", "--json")
+    assert status == 0
+    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["rows"]}
+    assert rows[1]["direct_s"] == pytest.approx(rows[1]["one_s"])
+    assert rows[64]["direct_s"] == pytest.approx(64 * rows[1]["direct_s"], rel=0.02)  # one link, 64 copies
+    assert rows[64]["relays_s"] < 3 * rows[1]["one_s"]
+
+
+def test_simulate_draws_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "fanout.png"
+    status, out, _ = run(capsys, "simulate", "--model", "1t", "--replicas", "1,10", "--plot", str(png))
+    assert status == 0 and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_beside_a_measured_run(capsys, tmp_path):
+    measured = {
+        "size_bytes": 256 << 20,
+        "bucket_bytes": 16 << 20,
+        "rows": [{"replicas": 1, "all_serve_s": 2.0}, {"replicas": 4, "all_serve_s": 8.4}],
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"direct": measured}))
+    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
+    assert status == 0
+    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]}
+    assert rows[4]["simulated_s"] == pytest.approx(8.0, rel=0.001)
+    assert rows[4]["error"] == pytest.approx(8.0 / 8.4 - 1, abs=0.001)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--replicas", "0"],
+        ["--replicas", "ten"],
+        ["--cap", "0"],
+        ["--gbit", "-1"],
+        ["--fail", "three"],
+        ["--model", "70b"],
+    ],
+)
+def test_bad_input_is_a_usage_error(capsys, argv):
+    status, _, err = run(capsys, "simulate", *argv)
+    assert status == 2 and err.startswith("error: argument")
+
+
+def test_an_efficiency_above_one_is_refused(capsys):
+    status, _, err = run(capsys, "simulate", "--efficiency", "1.5", "--replicas", "1")
+    assert status == 2 and "--efficiency" in err
+
+
+def test_bench_replicas_hosts_is_bench_fanout():
+    argv = _old_bench_spelling(["bench", "--replicas", "8", "--hosts", "emulated"])
+    assert argv == ["bench", "fanout", "--replicas", "8", "--hosts", "emulated"]
+    args = parser().parse_args(argv)
+    assert (args.replicas, args.hosts, args.size, args.bucket_size) == (8, "emulated", "256M", "16M")
