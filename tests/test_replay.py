@@ -30,10 +30,11 @@ def test_a_groups_age_counts_from_its_oldest_start_and_one_clock_evicts_and_samp
     assert len(buffer) == 2
     assert buffer.metrics()["staleness/max"] == 1
     assert [g.id for g in buffer.take(2)] == ["b", "a"]  # oldest start first
-    assert buffer.add([group("a", 3), group("old", 3)]) == 0  # handed out or evicted: never again
+    assert buffer.add([group("a", 3)]) == 0  # handed out: never again
+    assert buffer.add([group("old", 3)]) == 1  # evicted, run again on fresh weights: taken in
     clock.advance(5)
     buffer.add([group("c", 3)])
-    assert [g.id for g in buffer.evict()] == ["c"]  # the clock moved: the same rule, everywhere
+    assert [g.id for g in buffer.evict()] == ["old", "c"]  # the clock moved: the same rule, everywhere
 
 
 def test_the_sample_passes_the_clocks_check():
