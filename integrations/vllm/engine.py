@@ -57,6 +57,9 @@ class PullSpec:
     # After each apply, compare the tensors the kernels use with a first load of the same
     # copy (docs/vllm.md#the-check-after-every-apply); the structural checks always run.
     check_apply: bool = True
+    # Each tensor-parallel worker pulls only its slice: the elements its own weight loaders
+    # read, recorded from the engine at start (docs/sharding.md). Else each pulls the whole.
+    sharded: bool = False
 
 
 class VllmEngine:

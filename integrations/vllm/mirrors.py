@@ -23,6 +23,8 @@ import torch
 from weightpull.errors import InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import Pulled, Puller
 from weightpull.registry import Registry
+from weightpull.slice_puller import SlicePulled, SlicePuller
+from weightpull.slices import RankSlice
 from weightpull.transport import Transport
 
 from ..torch_tensors import as_tensors
@@ -33,19 +35,33 @@ class MirrorPair:
     transport. `current` holds the version the engine serves; pulls go to the other."""
 
     def __init__(
-        self, registry: Registry, transport: Transport, *, holder: str, ttl: float = 10.0, **puller: Any
+        self,
+        registry: Registry,
+        transport: Transport,
+        *,
+        holder: str,
+        ttl: float = 10.0,
+        rank_slice: RankSlice | None = None,
+        **puller: Any,
     ) -> None:
-        self.pullers = [Puller(registry, transport, holder=holder, ttl=ttl, **puller) for _ in range(2)]
-        self.current: Pulled | None = None  # what the engine serves, from the mirror it lies in
+        """With `rank_slice`, each mirror holds that tensor-parallel rank's slice alone
+        (`SlicePuller`); else the whole version."""
+        self.pullers: list[Any] = [
+            Puller(registry, transport, holder=holder, ttl=ttl, **puller)
+            if rank_slice is None
+            else SlicePuller(registry, transport, rank_slice, holder=holder, ttl=ttl, **puller)
+            for _ in range(2)
+        ]
+        self.current: Any = None  # what the engine serves (a Pulled or SlicePulled), from the mirror it lies in
         self._spare = 0
 
-    async def pull(self, version: int) -> Pulled:
+    async def pull(self, version: int) -> Any:
         """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable).
         A cancelled pull unwinds before the next one writes the spare: the puller
         runs one pull at a time."""
         return await self.pullers[self._spare].pull(version)
 
-    def promote(self, pulled: Pulled) -> None:
+    def promote(self, pulled: Pulled | SlicePulled) -> None:
         """`pulled` now serves: its mirror stops being the spare."""
         index = next((i for i, p in enumerate(self.pullers) if p.mirror is pulled.region), None)
         if index is None or self.pullers[index].mirror_version != pulled.version:
@@ -82,17 +98,20 @@ class BackgroundPulls:
         holder: str,
         ttl: float = 10.0,
         device: str = "cpu",
+        rank_slice: RankSlice | None = None,
     ) -> None:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
             registry, self._transport = self._portal.call(setup)
-            self.pair = MirrorPair(registry, self._transport, holder=holder, ttl=ttl, device=device)
+            self.pair = MirrorPair(
+                registry, self._transport, holder=holder, ttl=ttl, device=device, rank_slice=rank_slice
+            )
         except BaseException:
             self._stack.close()
             raise
         self._version: int | None = None  # the version of the pull below
-        self._future: concurrent.futures.Future[Pulled] | None = None
+        self._future: concurrent.futures.Future[Any] | None = None
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` into the spare mirror and return at once. Asking again
@@ -107,22 +126,24 @@ class BackgroundPulls:
 
     def status(self) -> dict[str, Any]:
         """What the background pull has come to, as plain data."""
-        future, pulled, error = self._future, None, None
+        future, pulled, error, nbytes = self._future, None, None, None
         if future is not None and future.done():
             if future.cancelled():
                 error = {"type": "PullError", "message": f"the pull of v{self._version} was cancelled"}
             elif future.exception() is not None:
                 error = error_info(future.exception())  # type: ignore[arg-type]
             else:
-                pulled = future.result().version
+                pulled, nbytes = future.result().version, future.result().nbytes
         return {
             "pending": self._version if future is not None and not future.done() else None,
             "pulled": pulled,
             "error": error,
             "serving": self.pair.current.version if self.pair.current else None,
+            "bytes": nbytes,  # what the pull read: the whole version, or this rank's slice
+            "serving_bytes": self.pair.current.nbytes if self.pair.current else None,
         }
 
-    def take(self, version: int, timeout: float | None = None) -> Pulled:
+    def take(self, version: int, timeout: float | None = None) -> Any:
         """The verified copy of `version`, once its pull has finished (blocking)."""
         if self._future is None or self._version != version:
             raise PullError(f"v{version} was never prefetched (last prefetch: v{self._version})")

@@ -28,9 +28,12 @@ from typing import Any
 import torch
 
 from weightpull.errors import InvalidArgumentError, UnsupportedModelError
+from weightpull.layout import TensorSpec
 from weightpull.puller import Pulled
+from weightpull.slice_puller import SlicePulled
+from weightpull.slices import RankSlice
 
-from . import apply
+from . import apply, slices
 from .mirrors import BackgroundPulls, checkpoint_weights, error_info
 
 log = logging.getLogger(__name__)
@@ -71,13 +74,17 @@ class WeightpullWorker:
     """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...)."""
 
     _weightpull: BackgroundPulls | None = None
-    _weightpull_applied: Pulled | None = None  # loaded, not yet committed
+    _weightpull_applied: Pulled | SlicePulled | None = None  # loaded, not yet committed
     # What a failed apply falls back on when no mirror holds the served version: the
     # checkpoint the engine started from, or nothing (None) once pulls were restarted
     # after a version was applied (its mirror went with them).
     _weightpull_fallback: str | None = CHECKPOINT
     _weightpull_ties: dict[str, list[str]] | None = None  # read from the model before any reload
     _weightpull_check: bool = True
+    # A sharded replica's: per published tensor, the boxes this rank's loaders read, and the
+    # tensors' specs (recorded once); this rank's slice of them, and the specs.
+    _weightpull_reads: tuple[dict[str, Any], list[TensorSpec]] | None = None
+    _weightpull_sliced: tuple[RankSlice, list[TensorSpec]] | None = None
 
     def weightpull_start(self, spec: dict[str, Any]) -> dict[str, Any]:
         """`spec` is a `PullSpec` as a dict: the registry's address, the transport's
@@ -95,8 +102,18 @@ class WeightpullWorker:
                 return {"error": error_info(exc)}
             self._weightpull_ties = apply.tied_parameters(model)
         self._weightpull_check = bool(spec.get("check_apply", True))
+        self._weightpull_sliced = None
+        if spec.get("sharded"):
+            try:
+                self._weightpull_sliced = self._weightpull_slice()
+            except Exception as exc:  # as data: the engine raises it, typed
+                return {"error": error_info(exc)}
         self._weightpull = BackgroundPulls(
-            _setup(spec), holder=spec["holder"], ttl=spec.get("ttl", 10.0), device=device
+            _setup(spec),
+            holder=spec["holder"],
+            ttl=spec.get("ttl", 10.0),
+            device=device,
+            rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
         )
         return self.weightpull_status()
 
@@ -151,10 +168,34 @@ class WeightpullWorker:
         current = self._weightpull_pulls().pair.current
         return self._weightpull_fallback if current is None else current.version
 
-    def _weightpull_load(self, pulled: Pulled | None) -> apply.ApplyReport:
+    def _weightpull_slice(self) -> tuple[RankSlice, list[TensorSpec]]:
+        """This rank's slice, recorded from its own loaders (`slices.record_reads`) once per
+        worker, before any version is applied: the model then holds its checkpoint again."""
+        if self._weightpull_reads is None:
+            if self._weightpull_fallback != CHECKPOINT:
+                raise RuntimeError("a worker records its slice before any version is applied")
+            runner = self.model_runner  # type: ignore[attr-defined]
+            specs = [TensorSpec(name, "bfloat16", tuple(t.shape)) for name, t in apply.checkpoint_iterator(runner)]
+            reads = slices.record_reads(
+                runner, specs, ties=self._weightpull_ties or {}, restore=apply.checkpoint_iterator(runner)
+            )
+            self._weightpull_reads = (reads, specs)
+        reads, specs = self._weightpull_reads
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        return slices.rank_slice(reads, specs, rank, ranks), specs
+
+    def _weightpull_load(self, pulled: Any) -> apply.ApplyReport:
         """Checkpoint-format reload, checked: from a mirror, or (None) from the model's own files."""
         runner = self.model_runner  # type: ignore[attr-defined]
-        weights = apply.checkpoint_iterator(runner) if pulled is None else checkpoint_weights(pulled)
+        if pulled is None:
+            weights = apply.checkpoint_iterator(runner)
+        elif isinstance(pulled, SlicePulled):
+            assert self._weightpull_sliced is not None
+            weights = slices.checkpoint_weights(pulled, *self._weightpull_sliced)
+        else:
+            weights = checkpoint_weights(pulled)
         return apply.load(runner, weights, ties=self._weightpull_ties or {}, check=self._weightpull_check)
 
     def _weightpull_restore(self) -> int | str | None:
