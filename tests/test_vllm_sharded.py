@@ -64,11 +64,16 @@ async def test_a_tp2_replica_pulling_slices_serves_what_a_fresh_tp2_engine_serve
         address = await tg.start(server.serve)
         for t in transports:
             tg.start_soon(t.serve)
-        fresh = await start_engine(engine_args(str(paths[2]), worker_extension_cls=None, **engine))
-        try:
-            want = await serve_async(fresh, request_prefix="fresh")
-        finally:
-            await shutdown(fresh)
+        want: list = []
+
+        async def reference() -> None:  # started beside the replica: start-ups overlap
+            fresh = await start_engine(engine_args(str(paths[2]), worker_extension_cls=None, **engine))
+            try:
+                want.extend(await serve_async(fresh, request_prefix="fresh"))
+            finally:
+                await shutdown(fresh)
+
+        tg.start_soon(reference)
         spec = PullSpec(address, "tp2", transport="nixl", ttl=10.0, sharded=True)
         async with open_replica("tp2", str(paths[1]), registry, spec, **engine) as r:
             tg.start_soon(r.agent.run)
@@ -79,7 +84,11 @@ async def test_a_tp2_replica_pulling_slices_serves_what_a_fresh_tp2_engine_serve
             read = [s["serving_bytes"] for s in statuses]
             print(f"{family}: bytes read per rank {read} of the whole version's {whole}")
             assert all(0 < b < 0.75 * whole for b in read), (read, whole)
-            assert compare(want, await serve_async(r.llm, request_prefix="tp2")) == []
+            got = await serve_async(r.llm, request_prefix="tp2")
+            with anyio.fail_after(120):
+                while not want:
+                    await anyio.sleep(0.1)
+            assert compare(want, got) == []
         tg.cancel_scope.cancel()
     for t in transports:
         await t.aclose()
