@@ -162,6 +162,7 @@ def _run(cfg: LoopConfig, root: Path, say: Progress) -> dict[str, Any]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     server_key = str(paths.keys / "registry.key")
     procs: list[subprocess.Popen[str]] = []
+    trainers: list[_Trainer] = []  # killed on the way out, whatever happened
     started = time.monotonic()
     try:
         registry = subprocess.Popen(
@@ -210,6 +211,7 @@ def _run(cfg: LoopConfig, root: Path, say: Progress) -> dict[str, Any]:
         }
         say("trainer", f"two FSDP2 ranks (gloo, CPU); SIGKILL after step {kill_at}")
         first = _Trainer(cfg, paths, address, 1, trainer_env)
+        trainers.append(first)
         seen = 0
         deadline = time.monotonic() + TRAIN_TIMEOUT_S
         while True:
@@ -230,6 +232,7 @@ def _run(cfg: LoopConfig, root: Path, say: Progress) -> dict[str, Any]:
         first.kill()
         say("trainer", f"SIGKILLed both ranks after step {kill_at}; restarting from the checkpoint")
         second = _Trainer(cfg, paths, address, 2, trainer_env)
+        trainers.append(second)
         seen_total = len(_records(paths))
         while second.running():
             records = _records(paths)
@@ -243,6 +246,9 @@ def _run(cfg: LoopConfig, root: Path, say: Progress) -> dict[str, Any]:
         for r in _records(paths)[seen_total:]:
             say("trainer", _step_line(r) if r["event"] == "step" else json.dumps(r))
     finally:
+        for trainer in trainers:
+            if any(p.poll() is None for p in trainer.procs):
+                trainer.kill()
         for proc in procs[1:]:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):

@@ -47,105 +47,114 @@ async def run(cfg: LoopConfig, paths: Paths, index: int, address: str, out: Any 
     async def call(fn: Any, *args: Any) -> Any:  # SQLite may wait on another process's lock
         return await anyio.to_thread.run_sync(fn, *args)
 
-    async with (
-        registry,
-        open_replica(
-            name,
-            str(paths.model),
+    last_words: list[Any] = []  # the report, written once more as the worker stops
+    try:
+        async with (
             registry,
-            spec,
-            pause_mode=PauseMode.ABORT,
-            dtype="float32",
-            max_model_len=64,
-            max_num_seqs=256,
-        ) as r,
-        anyio.create_task_group() as tg,
-    ):
-        agent = r.agent
-        # A version whose trainer died stays READY until the registry's liveness lapses
-        # (seconds); reads of it fail meanwhile. Retry that long rather than fail.
-        agent.max_pull_attempts, agent.retry_delay = PULL_ATTEMPTS, PULL_RETRY_S
+            open_replica(
+                name,
+                str(paths.model),
+                registry,
+                spec,
+                pause_mode=PauseMode.ABORT,
+                dtype="float32",
+                max_model_len=64,
+                max_num_seqs=256,
+            ) as r,
+            anyio.create_task_group() as tg,
+        ):
+            agent = r.agent
+            # A version whose trainer died stays READY until the registry's liveness lapses
+            # (seconds); reads of it fail meanwhile. Retry that long rather than fail.
+            agent.max_pull_attempts, agent.retry_delay = PULL_ATTEMPTS, PULL_RETRY_S
 
-        def report() -> None:
-            out = {
-                **stats,
-                "serving": agent.serving,
-                "applied": agent.stats.applied,
-                "pause_s": agent.stats.pause_s,
-                "prefetch_s": agent.stats.prefetch_s,
-                "apply_failures": agent.stats.apply_failures,
-            }
-            tmp = paths.replica_report(name).with_suffix(".tmp")
-            tmp.write_text(json.dumps(out))
-            os.replace(tmp, paths.replica_report(name))
+            def report() -> None:
+                out = {
+                    **stats,
+                    "serving": agent.serving,
+                    "applied": agent.stats.applied,
+                    "pause_s": agent.stats.pause_s,
+                    "prefetch_s": agent.stats.prefetch_s,
+                    "apply_failures": agent.stats.apply_failures,
+                }
+                tmp = paths.replica_report(name).with_suffix(".tmp")
+                tmp.write_text(json.dumps(out))
+                os.replace(tmp, paths.replica_report(name))
 
-        async def beat() -> None:
-            while True:
-                await call(ledger.beat, name, agent.serving)
-                stats["reclaimed"] = stats.get("reclaimed", 0) + len(await call(ledger.reclaim, cfg.reclaim_timeout))
-                report()
-                await anyio.sleep(BEAT_S)
+            last_words.append(report)
 
-        async def generate(e: Entry) -> None:
-            p = e.payload
-            params = SamplingParams(
-                n=p["n"],
-                temperature=0.0 if p.get("greedy") else 1.0,
-                max_tokens=p["max_tokens"],
-                ignore_eos=True,
-                seed=p.get("seed"),
-            )
-            final = None
-            try:
-                async for out in r.llm.generate(
-                    TokensPrompt(prompt_token_ids=p["tokens"]), params, request_id=f"{e.id}@{name}#{e.attempts}"
-                ):
-                    final = out
-                outs = final.outputs if final is not None else []
-                if len(outs) < p["n"] or any(c.finish_reason == "abort" for c in outs):
-                    stats["aborted"] += 1
-                    await call(ledger.release, name, e.id)  # an update aborted it: it runs again
-                    return
-                trajectories = []
-                for c in outs:
-                    versions = [int(span.version) for span in c.weight_versions or ()]
-                    if not versions:
-                        raise RuntimeError(f"vLLM recorded no weight version for {e.id}")
-                    trajectories.append(Trajectory(e.id, c.token_ids, versions, group=e.group, replica=name))
-                if await call(ledger.complete, name, e.id, trajectories):
-                    stats["completed"] += 1
-                else:
-                    stats["late"] += 1  # reclaimed or recovered meanwhile: it runs again elsewhere
-            finally:
-                inflight.discard(e.id)
+            async def beat() -> None:
+                while True:
+                    await call(ledger.beat, name, agent.serving)
+                    stats["reclaimed"] = stats.get("reclaimed", 0) + len(
+                        await call(ledger.reclaim, cfg.reclaim_timeout)
+                    )
+                    report()
+                    await anyio.sleep(BEAT_S)
 
-        async def claim() -> None:
-            while True:
-                serving = agent.serving
-                room = cfg.max_inflight - len(inflight)
-                if serving is not None and room > 0:
-                    for e in await call(ledger.claim, name, serving, room):
-                        inflight.add(e.id)
-                        tg.start_soon(generate, e)
-                await anyio.sleep(POLL_S)
+            async def generate(e: Entry) -> None:
+                p = e.payload
+                params = SamplingParams(
+                    n=p["n"],
+                    temperature=0.0 if p.get("greedy") else 1.0,
+                    max_tokens=p["max_tokens"],
+                    ignore_eos=True,
+                    seed=p.get("seed"),
+                )
+                final = None
+                try:
+                    async for out in r.llm.generate(
+                        TokensPrompt(prompt_token_ids=p["tokens"]), params, request_id=f"{e.id}@{name}#{e.attempts}"
+                    ):
+                        final = out
+                    outs = final.outputs if final is not None else []
+                    if len(outs) < p["n"] or any(c.finish_reason == "abort" for c in outs):
+                        stats["aborted"] += 1
+                        await call(ledger.release, name, e.id)  # an update aborted it: it runs again
+                        return
+                    trajectories = []
+                    for c in outs:
+                        versions = [int(span.version) for span in c.weight_versions or ()]
+                        if not versions:
+                            raise RuntimeError(f"vLLM recorded no weight version for {e.id}")
+                        trajectories.append(Trajectory(e.id, c.token_ids, versions, group=e.group, replica=name))
+                    if await call(ledger.complete, name, e.id, trajectories):
+                        stats["completed"] += 1
+                    else:
+                        stats["late"] += 1  # reclaimed or recovered meanwhile: it runs again elsewhere
+                finally:
+                    inflight.discard(e.id)
 
-        async def lifeline() -> None:
-            await anyio.wait_readable(sys.stdin.fileno())  # the demo never writes: EOF ends us
-            tg.cancel_scope.cancel()
+            async def claim() -> None:
+                while True:
+                    serving = agent.serving
+                    room = cfg.max_inflight - len(inflight)
+                    if serving is not None and room > 0:
+                        for e in await call(ledger.claim, name, serving, room):
+                            inflight.add(e.id)
+                            tg.start_soon(generate, e)
+                    await anyio.sleep(POLL_S)
 
-        async def agent_run() -> None:
-            try:
-                await agent.run()
-            except Exception as exc:
-                ledger.beat(name, agent.serving, failure=repr(exc))  # its last word, for the trainer
-                raise
+            async def lifeline() -> None:
+                await anyio.wait_readable(sys.stdin.fileno())  # the demo never writes: EOF ends us
+                tg.cancel_scope.cancel()
 
-        tg.start_soon(agent_run)
-        tg.start_soon(beat)
-        tg.start_soon(claim)
-        tg.start_soon(lifeline)
-        print("ready", file=out or sys.stdout, flush=True)
-    ledger.close()
+            async def agent_run() -> None:
+                try:
+                    await agent.run()
+                except Exception as exc:
+                    ledger.beat(name, agent.serving, failure=repr(exc))  # its last word, for the trainer
+                    raise
+
+            tg.start_soon(agent_run)
+            tg.start_soon(beat)
+            tg.start_soon(claim)
+            tg.start_soon(lifeline)
+            print("ready", file=out or sys.stdout, flush=True)
+    finally:
+        for report in last_words:
+            report()
+        ledger.close()
 
 
 def main(spec: str) -> int:

@@ -23,8 +23,8 @@ class LoopConfig:
     max_staleness: int = 2  # off-policy bound, in versions
     lookahead: int = 2  # steps of prompts enqueued ahead of training
     max_inflight: int = 24  # prompts running at once, over every replica
-    min_step_s: float = 0.0  # the least time a training step takes (stands for a bigger model's step)
-    kill_at: int | None = None  # SIGKILL the trainer after this step (None: a random step; 0: never)
+    min_step_s: float = 1.0  # the least time a training step takes: stands for a bigger model's step
+    kill_at: int | None = None  # SIGKILL the trainer after this step (None: a random one)
     health_timeout: float = 20.0  # no rollout worker heard from for this long: the trainer fails
     reclaim_timeout: float = 10.0  # a worker silent this long loses its running prompts
     sync_timeout: float = 60.0  # the bounded wait for every replica to serve the newest version
@@ -43,8 +43,8 @@ class LoopConfig:
             )
         if self.samples < 2:
             raise InvalidArgumentError(f"samples must be >= 2 (a group's baseline), got {self.samples}")
-        if self.kill_at is not None and not 0 <= self.kill_at < self.steps:
-            raise InvalidArgumentError(f"kill_at must be in [0, {self.steps}), got {self.kill_at}")
+        if self.kill_at is not None and not 1 <= self.kill_at < self.steps:
+            raise InvalidArgumentError(f"kill_at must be in [1, {self.steps}), got {self.kill_at}")
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
