@@ -241,7 +241,7 @@ def run(
         ]
         children += trainers
         manifests = [t.expect("ready", 900)[0] for t in trainers]
-        whole_bytes = Manifest.from_dict(manifests[0]).layout.total_bytes
+        whole_bytes = sum(s.nbytes for s in Manifest.from_dict(manifests[0]).layout.specs)  # tensors, no padding
         say(f"{ranks} rank(s) pull their slices")
         cfgs = [
             {"rank": r, "ranks": ranks, "device": device(r), "transport": transport, "manifests": manifests}
