@@ -95,3 +95,12 @@ def test_fanout_across_hosts_is_byte_exact_and_crosses_the_trainers_link():
     # ~1.3 s, unless UCX bypassed the links (shared memory, CMA) instead of using TCP.
     floor = 2 * (8 << 20) / 12.5e6
     assert rows[2]["all_serve_s"] > 0.8 * floor, rows
+
+
+def test_fanout_through_a_relay_is_byte_exact_and_checked_against_the_publishers_digests():
+    from weightpull.integrations.bench.fanout import run_fanout
+
+    result = run_fanout([2], size=8 << 20, bucket=2 << 20, rate="200mbit", relays=True, cap=1)
+    (row,) = result["rows"]
+    # the trainer serves one reader at a time: the second reads the first, a relay
+    assert row["hops"] == 2 and row["byte_exact"], row

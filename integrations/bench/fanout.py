@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import attrs
 
 from weightpull.errors import InvalidArgumentError
+from weightpull.transport import WrappedTransport
 
 from .hosts import ENV, Hosts
 
@@ -59,6 +61,7 @@ async def _trainer(cfg: dict[str, Any]) -> None:
         rollout_dtype=None,
         bucket_bytes=cfg["bucket"],
         name=f"trainer-{os.getpid()}",
+        digests=bool(cfg.get("digests")),  # what readers from relays check
     )
     result = await publisher.publish(1, _tensors(bench, data))
     assert result.manifest is not None
@@ -71,7 +74,39 @@ async def _trainer(cfg: dict[str, Any]) -> None:
     await publisher.transport.aclose()
 
 
+class _Landing(WrappedTransport):
+    """A relay's transport: says on stdout, as its reads land, how many of the version's
+    first buckets its mirror holds whole, so that its own readers may read them."""
+
+    def __init__(self, inner: Any, layout: Any) -> None:
+        super().__init__(inner)
+        self.starts = {b.offset: b.index for b in layout.buckets}
+        self.whole: set[int] = set()
+        self.prefix = 0
+        self.lock: anyio.Lock | None = None
+
+    async def read(self, remote: Any, remote_offset: int, local: Any, local_offset: int, nbytes: int) -> None:
+        # One read at a time, in the order asked (the lock is FIFO): buckets then land in
+        # order, each as soon as it can, so readers of this relay get the first ones early.
+        # (A puller reads all buckets at once: they would land together, at the end.)
+        if self.lock is None:
+            self.lock = anyio.Lock()
+        async with self.lock:
+            await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
+        if local_offset in self.starts:
+            self.whole.add(self.starts[local_offset])
+        before = self.prefix
+        while self.prefix in self.whole:
+            self.prefix += 1
+        if self.prefix > before:
+            _say(landed=self.prefix)
+
+
 async def _replica(cfg: dict[str, Any]) -> None:
+    import base64
+
+    import attrs
+
     from weightpull.manifest import Manifest
     from weightpull.puller import Puller
     from weightpull.registry import InProcessRegistry
@@ -82,19 +117,45 @@ async def _replica(cfg: dict[str, Any]) -> None:
     # Every reader shares one link here: a read outlasting the driver's 10 s warning is expected.
     logging.getLogger("weightpull.drivers.nixl").setLevel(logging.ERROR)
     manifest = Manifest.from_dict(json.loads(sys.stdin.readline())["manifest"])
-    registry = InProcessRegistry()
+    nixl = create_transport("nixl")
+    nixl.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
+    relay = bool(cfg.get("relays"))
+    transport = _Landing(nixl, manifest.layout) if relay else nixl
+    registry = InProcessRegistry()  # the reader's view of the version: its source's progress
+    puller = Puller(registry, transport, ttl=60.0, stream=True, verify_digests=relay)
+    puller.mirror = transport.allocate(manifest.layout.total_bytes)  # made ahead: relays export it
+    _say(ready=True, descriptor=base64.b64encode(transport.export(puller.mirror)).decode())
+    go = json.loads(await anyio.to_thread.run_sync(sys.stdin.readline))
     await registry.begin(manifest.version, publisher=manifest.publisher, slot=manifest.slot)
-    await registry.commit(manifest)
-    transport = create_transport("nixl")
-    transport.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
-    puller = Puller(registry, transport, ttl=60.0, verify_digests=False)
-    _say(ready=True)
-    await anyio.to_thread.run_sync(sys.stdin.readline)  # go
-    start = time.time()
-    pulled = await puller.pull()
-    end = time.time()
-    exact = digest(pulled.region.host_view()[: manifest.nbytes])
-    _say(start=start, end=end, digest=exact)
+    if go.get("source") is None:  # the trainer's slot, whole
+        await registry.commit(manifest)
+        source = manifest
+    else:  # a relay's mirror, readable as far as the relay says
+        source = attrs.evolve(manifest, source=base64.b64decode(go["source"]), digests=None)
+        await registry.stream(source)
+    buckets = len(manifest.layout.buckets)
+
+    async def pull() -> None:
+        start = time.time()
+        pulled = await puller.pull()
+        end = time.time()
+        _say(start=start, end=end, digest=digest(pulled.region.host_view()[: manifest.nbytes]))
+
+    async def listen() -> None:
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
+            message = json.loads(line)
+            if "mark" in message and source is not manifest:
+                await registry.mark(manifest.version, message["mark"])
+                if message["mark"] == buckets:  # whole: READY, with the publisher's digests to check
+                    await registry.commit(attrs.evolve(source, digests=manifest.digests))
+            if message.get("stop"):
+                break
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(transport.serve)  # its readers' reads need this process's progress
+        tg.start_soon(pull)
+        tg.start_soon(listen)  # serves until told to stop, its own pull long done
     await puller.aclose()
     await transport.aclose()
 
@@ -108,7 +169,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 class _Proc:
-    """One process inside a host, spoken to by JSON lines."""
+    """One process inside a host, spoken to by JSON lines (read from its raw pipe, so that
+    a selector sees every line)."""
 
     def __init__(self, hosts: Hosts, host: int, role: str, cfg: dict[str, Any]) -> None:
         import subprocess
@@ -116,29 +178,42 @@ class _Proc:
         argv = [sys.executable, "-m", __name__, role, json.dumps(cfg)]
         env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
         self.what = f"the {role} on host {host}"
-        self.proc = subprocess.Popen(
-            hosts.command(host, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = subprocess.Popen(hosts.command(host, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        self.buffer = b""
+        self.lines: list[dict[str, Any]] = []
 
     def send(self, **message: Any) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"{self.what} exited (code {self.proc.wait()})") from None
+
+    def take(self) -> None:
+        """Read what the process wrote (the pipe is readable)."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            raise RuntimeError(f"{self.what} exited (code {self.proc.wait()})")
+        self.buffer += chunk
+        *whole, self.buffer = self.buffer.split(b"\n")
+        self.lines += [json.loads(line) for line in whole if line.strip()]
 
     def expect(self, key: str, timeout: float = _START_TIMEOUT_S) -> dict[str, Any]:
         import selectors
 
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise RuntimeError(f"{self.what} said nothing for {timeout:.0f} s (waiting for {key!r})")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.what} exited (code {self.proc.wait()}) before {key!r}")
-        message: dict[str, Any] = json.loads(line)
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.fd, selectors.EVENT_READ)
+            while not self.lines:
+                if not sel.select(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"{self.what} said nothing for {timeout:.0f} s (waiting for {key!r})")
+                self.take()
+        message = self.lines.pop(0)
         if key not in message:
-            raise RuntimeError(f"{self.what} said {line.strip()!r}, not {key!r}")
+            raise RuntimeError(f"{self.what} said {message!r}, not {key!r}")
         return message
 
     def stop(self) -> None:
@@ -151,16 +226,90 @@ class _Proc:
             self.proc.wait(5)
 
 
+def _one_run(
+    procs: list[_Proc], trainer: dict[str, Any], relays: bool, cap: int | None, timeout: float
+) -> tuple[list[dict[str, Any]], float, int]:
+    """Tell every replica to go, handing each a source by the registry's policy as sources
+    offer themselves (a relay once it holds its first bucket), and pass each relay's
+    progress on to its readers. The ends, the moment of going, and the most hops."""
+    import selectors
+    from collections import deque
+
+    from weightpull.errors import NoSourceError
+    from weightpull.sources import Reader, Source, choose_source
+
+    ready = [p.expect("ready") for p in procs]
+    names = [f"replica{i + 1}" for i in range(len(procs))]
+    offered = {"trainer": Source("trainer", "host-0", cap=cap)}
+    index = {name: i for i, name in enumerate(names)}
+    parent: dict[int, str] = {}
+    hops: dict[int, int] = {}
+    readers: dict[int, list[int]] = {i: [] for i in range(len(procs))}
+    asking = deque(range(len(procs)))
+
+    def hand_out() -> None:
+        while asking:
+            i = asking[0]
+            try:
+                chosen = choose_source(offered.values(), Reader(names[i], f"host-{i + 1}"))
+            except NoSourceError:
+                return
+            asking.popleft()
+            offered[chosen.name] = attrs.evolve(chosen, leases=chosen.leases + 1)
+            parent[i], hops[i] = chosen.name, chosen.hops + 1
+            if chosen.name == "trainer":
+                procs[i].send(source=None)
+            else:
+                readers[index[chosen.name]].append(i)
+                procs[i].send(source=ready[index[chosen.name]]["descriptor"])
+
+    go = time.time()
+    hand_out()
+    ends: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        for i, p in enumerate(procs):
+            sel.register(p.fd, selectors.EVENT_READ, i)
+        while len(ends) < len(procs):
+            events = sel.select(max(0.0, deadline - time.monotonic()))
+            if not events:
+                raise RuntimeError(f"{len(procs) - len(ends)} replicas did not finish in {timeout:.0f} s")
+            for key, _ in events:
+                i = key.data
+                procs[i].take()
+                while procs[i].lines:
+                    message = procs[i].lines.pop(0)
+                    if "landed" in message:
+                        for r in readers[i]:
+                            procs[r].send(mark=message["landed"])
+                        if relays and names[i] not in offered:  # it holds a bucket: it may serve
+                            offered[names[i]] = Source(names[i], f"host-{i + 1}", cap=cap, hops=hops[i])
+                            hand_out()
+                    if "end" in message:
+                        ends[i] = message
+                        was = offered[parent[i]]  # its lease ends: its source has room again
+                        offered[parent[i]] = attrs.evolve(was, leases=was.leases - 1)
+                        hand_out()
+    for p in procs:
+        p.send(stop=True)
+    return [ends[i] for i in range(len(procs))], go, max(hops.values())
+
+
 def run_fanout(
     replicas: Sequence[int] = (1, 2, 4, 8),
     *,
     size: int = DEFAULT_SIZE,
     bucket: int = DEFAULT_BUCKET,
     rate: str | None = "1gbit",
+    relays: bool = False,
+    cap: int | None = None,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """For each N in `replicas`: the time until N replicas, told to go at once, all hold the
-    trainer's version, every one reading from the trainer's slot (no relays)."""
+    trainer's version: every one reading the trainer's slot, or with `relays`, each from
+    the source the registry's policy hands it (`weightpull.sources`), relays among them,
+    each relay forwarding buckets as they land and every reader checking the publisher's
+    digests. `cap`: live readers per source (None: no cap)."""
     if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
         raise InvalidArgumentError(f"replicas must be positive ints, got {list(replicas)!r}")
     if size <= 0 or bucket <= 0:
@@ -169,20 +318,15 @@ def run_fanout(
     rows = []
     with Hosts(most + 1, rate=rate) as hosts:
         say(f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0")
-        trainer = _Proc(hosts, 0, "trainer", {"size": size, "bucket": bucket})
+        trainer = _Proc(hosts, 0, "trainer", {"size": size, "bucket": bucket, "digests": relays})
         procs: list[_Proc] = []
         try:
             ready = trainer.expect("ready")
             for n in replicas:
-                procs = [_Proc(hosts, 1 + i, "replica", {}) for i in range(n)]
+                procs = [_Proc(hosts, 1 + i, "replica", {"relays": relays}) for i in range(n)]
                 for p in procs:
                     p.send(manifest=ready["ready"])
-                for p in procs:
-                    p.expect("ready")
-                go = time.time()
-                for p in procs:
-                    p.send(go=True)
-                done = [p.expect("end", timeout=600) for p in procs]
+                done, go, hops = _one_run(procs, ready, relays, cap, timeout=600)
                 for p in procs:
                     p.stop()
                 procs = []
@@ -191,10 +335,14 @@ def run_fanout(
                     "replicas": n,
                     "all_serve_s": round(max(ends), 3),
                     "first_s": round(min(ends), 3),
+                    "hops": hops,
                     "byte_exact": all(d["digest"] == ready["digest"] for d in done),
                 }
                 rows.append(row)
-                say(f"{n} replicas: all serve after {row['all_serve_s']:.2f} s (first {row['first_s']:.2f} s)")
+                say(
+                    f"{n} replicas{' with relays' if relays else ''}: all serve after {row['all_serve_s']:.2f} s "
+                    f"(first {row['first_s']:.2f} s, {hops} hops)"
+                )
         finally:
             for p in procs:
                 p.stop()
@@ -202,7 +350,7 @@ def run_fanout(
     one = rows[0]["all_serve_s"] / rows[0]["replicas"]  # per replica, from the first N
     for row in rows:
         row["vs_one"] = round(row["all_serve_s"] / one, 2)
-    return {"size_bytes": size, "bucket_bytes": bucket, "rate": rate, "relays": False, "rows": rows}
+    return {"size_bytes": size, "bucket_bytes": bucket, "rate": rate, "relays": relays, "cap": cap, "rows": rows}
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -222,8 +370,9 @@ def add_parser(figures: Any) -> None:
         help="the time until 1, 2, 4 ... N replicas serve one version, across emulated hosts (root, nixl)",
         description="The trainer and each replica in a network namespace of its own, every host's link "
         "shaped with tc to RATE, NIXL over TCP between them; the time until 1, 2, 4 ... N replicas, told "
-        "to go at once, all serve a version of SIZE bytes read from the trainer's slot, beside what "
-        "`weightpull simulate` predicts from the one-replica time. Needs root (ip netns) and the nixl "
+        "to go at once, all serve a version of SIZE bytes: first every one reading the trainer's slot, then "
+        "each reading the source the registry's policy hands it, relays forwarding buckets as they land; "
+        "beside what `weightpull simulate` predicts from each run's one-replica time. Needs root (ip netns) and the nixl "
         "extra; it deletes every namespace it made (docs/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
@@ -232,44 +381,58 @@ def add_parser(figures: Any) -> None:
     p.add_argument("--size", default="256M", help="bytes per version (default: 256M)")
     p.add_argument("--bucket-size", default="16M", help="bytes per bucket (default: 16M)")
     p.add_argument("--rate", default="1gbit", help="each host's link, as tc writes it (default: 1gbit)")
+    p.add_argument("--cap", type=int, default=1, help="with relays, live readers per source (default: 1, a chain)")
+    p.add_argument("--no-relays", action="store_true", help="measure only the direct reads from the trainer")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     p.set_defaults(func=run_command)
 
 
 def run_command(args: Any) -> int:
     from weightpull.integrations.simulate import validate
+    from weightpull.transports import transport_class
 
     from .util import parse_size, say_to_stderr
 
     if not 1 <= args.replicas <= MAX_REPLICAS:
         raise InvalidArgumentError(f"--replicas must be in [1, {MAX_REPLICAS}], got {args.replicas}")
-    from weightpull.transports import transport_class
-
+    if args.cap is not None and args.cap < 1:
+        raise InvalidArgumentError(f"--cap must be a positive int, got {args.cap}")
     transport_class("nixl")  # fails early, naming the missing extra
-    result = run_fanout(
-        counts(args.replicas),
-        size=parse_size(args.size),
-        bucket=parse_size(args.bucket_size),
-        rate=args.rate,
-        say=say_to_stderr("fanout"),
-    )
-    simulated = {r["replicas"]: r for r in validate(result)}
-    for row in result["rows"]:
-        row["simulated_s"] = simulated[row["replicas"]]["simulated_s"]
-    exact = all(r["byte_exact"] for r in result["rows"])
-    if args.json:
-        print(json.dumps({"direct": result}))
-    else:
-        print(
-            f"{result['size_bytes'] / MiB:.0f} MiB in {result['bucket_bytes'] / MiB:.0f} MiB buckets, links "
-            f"{result['rate']}; every replica reads the trainer's slot (no relays)"
+    size, bucket = parse_size(args.size), parse_size(args.bucket_size)
+    say = say_to_stderr("fanout")
+    runs = {"direct": run_fanout(counts(args.replicas), size=size, bucket=bucket, rate=args.rate, say=say)}
+    if not args.no_relays:
+        runs["relays"] = run_fanout(
+            counts(args.replicas), size=size, bucket=bucket, rate=args.rate, relays=True, cap=args.cap, say=say
         )
-        print("replicas  all serve s  x one  simulated s  byte-exact")
-        for r in result["rows"]:
-            print(
-                f"{r['replicas']:8d}  {r['all_serve_s']:11.2f}  {r['vs_one']:5.2f}  {r['simulated_s']:11.2f}  "
-                f"{'yes' if r['byte_exact'] else 'NO'}"
-            )
+    for result in runs.values():
+        simulated = {r["replicas"]: r for r in validate(result)}
+        for row in result["rows"]:
+            row["simulated_s"] = simulated[row["replicas"]]["simulated_s"]
+    exact = all(r["byte_exact"] for result in runs.values() for r in result["rows"])
+    if args.json:
+        print(json.dumps(runs))
+        return 0 if exact else 1
+    direct = runs["direct"]
+    print(
+        f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}; direct: every replica "
+        f"reads the trainer's slot; relays: each reads the source the policy hands it (cap {args.cap}), "
+        "relays forward buckets as they land, readers check the publisher's digests"
+    )
+    print("replicas  direct s  x one  simulated   relays s  x one  simulated  hops  byte-exact")
+    relayed = {r["replicas"]: r for r in runs.get("relays", {"rows": []})["rows"]}
+    for d in direct["rows"]:
+        r = relayed.get(d["replicas"])
+        tail = (
+            f"{r['all_serve_s']:9.2f}  {r['vs_one']:5.2f}  {r['simulated_s']:9.2f}  {r['hops']:4d}"
+            if r
+            else f"{'-':>9}  {'-':>5}  {'-':>9}  {'-':>4}"
+        )
+        ok = d["byte_exact"] and (r is None or r["byte_exact"])
+        print(
+            f"{d['replicas']:8d}  {d['all_serve_s']:8.2f}  {d['vs_one']:5.2f}  {d['simulated_s']:9.2f}  {tail}  "
+            f"{'yes' if ok else 'NO'}"
+        )
     return 0 if exact else 1
 
 

@@ -56,13 +56,13 @@ class Hosts:
     """`count` emulated hosts, host i at `address(i)`, each link shaped to `rate` (a `tc`
     rate: "1gbit", "400mbit"); None leaves the links unshaped."""
 
-    def __init__(self, count: int, *, rate: str | None = "1gbit", delay: str | None = None) -> None:
+    def __init__(self, count: int, *, rate: str | None = "1gbit") -> None:
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_HOSTS:
             raise InvalidArgumentError(f"hosts must be an int in [1, {MAX_HOSTS}], got {count!r}")
         why = unavailable_reason()
         if why:
             raise RuntimeError(why)
-        self.count, self.rate, self.delay = count, rate, delay
+        self.count, self.rate = count, rate
         self.tag = secrets.token_hex(3)
         self.switch = f"{PREFIX}{self.tag}sw"
         self.made: list[str] = []
@@ -79,53 +79,10 @@ class Hosts:
         return f"{SUBNET}.{i // 250}.{i % 250 + 1}"
 
     def _shape(self, ns: str, dev: str) -> None:
-        if self.rate is None and self.delay is None:
+        if self.rate is None:
             return
-        if self.delay is not None:  # netem adds the latency; tbf under it shapes the rate
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    "root",
-                    "handle",
-                    "1:",
-                    "netem",
-                    "delay",
-                    self.delay,
-                ]
-            )
-            parent = ["parent", "1:1", "handle", "10:"]
-        else:
-            parent = ["root"]
-        if self.rate is not None:
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    dev,
-                    *parent,
-                    "tbf",
-                    "rate",
-                    self.rate,
-                    "burst",
-                    "1mb",
-                    "latency",
-                    "50ms",
-                ]
-            )
+        tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
+        _run([*tc, "root", "tbf", "rate", self.rate, "burst", "1mb", "latency", "50ms"])
 
     def _make(self) -> None:
         _run(["ip", "netns", "add", self.switch])
