@@ -48,7 +48,17 @@ from .transport import Region, Transport, fault_in
 log = logging.getLogger(__name__)
 
 
-_MARK_POLL = 5e-4  # seconds between a streaming publisher's looks at the buckets landed
+_MARK_POLL = 1e-3  # seconds between a streaming publisher's looks at the buckets landed
+# The least time between two marks: each costs the event loop that queues the copies as
+# much as several buckets' copies do, so marks batch buckets rather than follow each one.
+_MARK_EVERY = 2e-3
+# While copies are queued, the marker (the stream's announce, marks) gets the event loop
+# once per this many buckets: a turn per bucket costs more than the copies themselves.
+_YIELD_EVERY = 32
+# The thread that counts queued copies landed starts once all are queued, or this long
+# after the first (copies a write makes itself, as host ones, must not all land unmarked):
+# started earlier, it contends for the GIL with the loop queueing the copies.
+_QUEUE_ALONE = 0.02
 
 
 class WhenFull(enum.Enum):
@@ -286,14 +296,18 @@ class Publisher:
             manifest = Manifest(
                 version, layout, self.transport.name, slot.descriptor, slot.index, self.name, None, parts, asked
             )
-            if self.stream and shard is None:
+            streamed = self.stream and shard is None
+            if streamed:
                 await self._stream(manifest, adapter, [(v, packed[n]) for n, v in items], region)
             else:
                 await adapter.write([(v, packed[n]) for n, v in items], region)
                 await adapter.fence()
             if self.digests:
                 manifest = attrs.evolve(manifest, digests=await self._digests(region, layout))
-            await self.registry.commit(manifest)
+            if streamed:  # the registry holds the manifest already: only the digests go
+                await as_streaming(self.registry).commit_stream(version, manifest.digests)
+            else:
+                await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
             slot.version = version  # the ABORTED record must be reclaimed before reuse
@@ -331,6 +345,7 @@ class Publisher:
                 if landed > sent:
                     sent = landed
                     await registry.mark(manifest.version, sent)
+                    await anyio.sleep(_MARK_EVERY)
                     continue
                 # Woken by a bucket fenced here, or, for the worker thread's, at the next look.
                 with anyio.move_on_after(_MARK_POLL if waiting else None):
@@ -355,18 +370,21 @@ class Publisher:
                 tg.start_soon(marker)
                 async with anyio.create_task_group() as copies:
                     try:
-                        for bucket in sorted(by_bucket):
-                            await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
+                        buckets = sorted(by_bucket)
+                        first = self.clock.now()
+                        for queued, bucket in enumerate(buckets, 1):
+                            if queued % _YIELD_EVERY == 1:
+                                await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
                             await adapter.write(by_bucket[bucket], region)
                             wait = landing(adapter)
                             if wait is None:  # no way to wait for one bucket alone: fence it here
                                 await adapter.fence()
                                 wake(bucket + 1)
                                 continue
-                            if not waiting:
+                            waits.put((bucket, wait))
+                            if not waiting and (queued == len(buckets) or self.clock.now() - first >= _QUEUE_ALONE):
                                 copies.start_soon(anyio.to_thread.run_sync, wait_in_order)
                                 waiting = True
-                            waits.put((bucket, wait))
                     finally:
                         waits.put(None)
                 tg.cancel_scope.cancel()  # every bucket landed; the commit tells readers the rest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
@@ -94,6 +95,7 @@ class StreamingRegistry(Registry, Protocol):
     ) -> Lease: ...
     async def stream(self, manifest: Manifest) -> None: ...
     async def mark(self, version: int, committed: int) -> None: ...
+    async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None: ...
     async def progress(self, version: int) -> Progress: ...
     async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress: ...
 
@@ -185,6 +187,9 @@ class InProcessRegistry:
 
     async def mark(self, version: int, committed: int) -> None:
         self.machine.mark(version, committed, by=self.principal)
+
+    async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
+        self.machine.commit_stream(version, digests, by=self.principal)
 
     async def progress(self, version: int) -> Progress:
         return self.machine.progress(version, by=self.principal)

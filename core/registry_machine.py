@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn, Protocol
 
 import attrs
@@ -244,6 +244,22 @@ class RegistryMachine:
             raise InvalidArgumentError(
                 f"v{manifest.version} commits a manifest other than the one it streamed (only digests may come now)"
             )
+        self._announce(record, manifest)
+
+    def commit_stream(self, version: int, digests: Sequence[str] | None = None, *, by: Principal = ADMIN) -> None:
+        """STREAMING -> READY: `commit` of the manifest `stream` gave (with the digests the
+        publisher computed meanwhile, if any), without sending it again: a large model's
+        manifest costs milliseconds each way, on the path to serving."""
+        self._enter(by, "commit_stream")
+        record = self._record(version)
+        self._check_owner(by, record, "commit_stream")
+        if record.state is not VersionState.STREAMING or record.manifest is None:
+            why = f" ({record.reason})" if record.reason else ""
+            raise VersionStateError(
+                f"version {version} is {record.state}{why}: only a STREAMING one commits its stream"
+            )
+        manifest = record.manifest if digests is None else attrs.evolve(record.manifest, digests=digests)
+        self._check_manifest(record, manifest)
         self._announce(record, manifest)
 
     def _check_manifest(self, record: _Version, manifest: Manifest) -> None:

@@ -13,9 +13,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
     python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
-echo "=== tests: pytest tests/gpu/test_gpu_stream.py tests/test_stream.py tests/test_snapshot.py"
+echo "=== tests: pytest tests/gpu/test_gpu_stream.py tests/gpu/test_gpu_pulls.py tests/test_stream.py tests/test_reserve.py"
 timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider --timeout=90 \
-    tests/gpu/test_gpu_stream.py tests/test_stream.py tests/test_snapshot.py 2>&1 | tail -15
+    tests/gpu/test_gpu_stream.py tests/gpu/test_gpu_pulls.py tests/test_stream.py tests/test_reserve.py 2>&1 | tail -15
 echo "tests exit ${PIPESTATUS[0]}"
 
 echo "=== bench: python3 -m weightpull bench model --preset ${PRESET:-8b} --transport cuda_ipc --versions ${VERSIONS:-5} --json"

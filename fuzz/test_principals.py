@@ -450,22 +450,37 @@ class PrincipalsMachine(RuleBasedStateMachine):
         else:
             assert isinstance(outcome, InvalidArgumentError), f"v{v} marked {count} after {had}: {outcome!r}"
 
-    @rule(who=st.sampled_from(PUBLISHERS), n=picks, how=st.sampled_from(["same", "digests", "other", "moved"]))
+    @rule(
+        who=st.sampled_from(PUBLISHERS),
+        n=picks,
+        how=st.sampled_from(
+            ["same", "digests", "other", "moved", "by number", "by number, digests", "too few digests"]
+        ),
+    )
     def commit_a_stream(self, who: str, n: int, how: str) -> None:
         """A publisher commits its stream (STREAMING -> READY) with the manifest it streamed,
-        or that one with digests; another manifest is refused and changes nothing."""
+        or that one with digests, or by number alone (`commit_stream`, with or without
+        digests); another manifest, or a wrong count of digests, is refused and changes nothing."""
         v = pick(self.streaming(who), n)
         if v is None:
             return
         streamed = self.manifests[v]
+        digests = ("d",) * len(STREAMED.buckets)
         manifest = {
             "same": streamed,
-            "digests": attrs.evolve(streamed, digests=("d",) * len(STREAMED.buckets)),
+            "digests": attrs.evolve(streamed, digests=digests),
             "other": attrs.evolve(streamed, layout=LAYOUT),
             "moved": attrs.evolve(streamed, source=b"elsewhere"),
+            "by number": streamed,
+            "by number, digests": attrs.evolve(streamed, digests=digests),
+            "too few digests": streamed,
         }[how]
-        outcome = self.act(who, "commit", lambda by: self.m.commit(manifest, by=by))
-        if how in ("other", "moved"):
+        if how.startswith("by number") or how == "too few digests":
+            given = {"by number": None, "by number, digests": digests, "too few digests": digests[1:]}[how]
+            outcome = self.act(who, "commit_stream", lambda by: self.m.commit_stream(v, given, by=by))
+        else:
+            outcome = self.act(who, "commit", lambda by: self.m.commit(manifest, by=by))
+        if how in ("other", "moved", "too few digests"):
             assert isinstance(outcome, InvalidArgumentError), f"v{v} committed another manifest: {outcome!r}"
             assert self.snap.versions[v][0] is VersionState.STREAMING and self.snap.committed[v] == self.marks[v]
         elif outcome is None:
@@ -542,7 +557,7 @@ class PrincipalsMachine(RuleBasedStateMachine):
     def keepalive(self, who: str) -> None:
         assert self.act(who, "keepalive", lambda by: self.m.keepalive([who], by=by)) is None
 
-    @rule(who=st.sampled_from(ACTORS), act=st.integers(0, 13), n=picks)
+    @rule(who=st.sampled_from(ACTORS), act=st.integers(0, 14), n=picks)
     def hostile(self, who: str, act: int, n: int) -> None:
         """An act on what is another's, which must be refused and change nothing."""
         by = PRINCIPALS[who]
@@ -594,6 +609,10 @@ class PrincipalsMachine(RuleBasedStateMachine):
             if w is not None:
                 count = min(len(STREAMED.buckets), self.marks.get(w, 0) + 1)
                 attempt = ("mark", lambda by: self.m.mark(w, count, by=by))
+        elif act == 14:  # commit another's stream by its number
+            w = pick([v for v in others if self.snap.versions[v][0] is VersionState.STREAMING], n)
+            if w is not None:
+                attempt = ("commit_stream", lambda by: self.m.commit_stream(w, by=by))
         if attempt is not None:
             self.act(who, attempt[0], attempt[1], refused=True)
 

@@ -78,8 +78,8 @@ class TorchAdapter:
         if on_device:
             with torch.cuda.stream(self.stream):
                 copy_all()
-                event = torch.cuda.Event()
-                event.record()
+            event = torch.cuda.Event()
+            event.record(self.stream)  # None: the current stream, the copies' own
             self._pending.append(event)
         else:
             await anyio.to_thread.run_sync(copy_all)

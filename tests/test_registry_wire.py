@@ -166,6 +166,7 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "report_serving",
         "stream",
         "mark",
+        "commit_stream",
         "reserve",
     }
 

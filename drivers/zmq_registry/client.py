@@ -37,6 +37,7 @@ import logging
 import os
 import uuid
 import warnings
+from collections.abc import Sequence
 from typing import Any, Self
 
 import anyio
@@ -290,6 +291,9 @@ class ZmqRegistry:
 
     async def mark(self, version: int, committed: int) -> None:
         await self._call("mark", version=version, committed=committed)
+
+    async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
+        await self._call("commit_stream", version=version, **({} if digests is None else {"digests": list(digests)}))
 
     async def progress(self, version: int) -> Progress:
         return Progress.from_dict(await self._call("progress", version=version))

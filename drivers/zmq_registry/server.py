@@ -423,6 +423,8 @@ class RegistryServer:
                 return m.stream(Manifest.from_dict(a["manifest"]), by=by)
             case "mark":
                 return m.mark(a["version"], a["committed"], by=by)
+            case "commit_stream":
+                return m.commit_stream(a["version"], a.get("digests"), by=by)
             case "progress":
                 return m.progress(a["version"], by=by).to_dict()
             case "reserve":

@@ -294,6 +294,7 @@ OPS: Mapping[str, Op] = {
     "acquire": Op({"version": Count | None, "ttl": Seconds, "holder": Text}, True, {"streaming": bool}),
     "stream": Op({"manifest": Object}, True),
     "mark": Op({"version": Count, "committed": Count}, True),
+    "commit_stream": Op({"version": Count}, True, {"digests": list[Text]}),
     "progress": Op({"version": Count}, False),
     "reserve": Op({"reservation": Object}, True),
     "reservations": Op({}, False),

@@ -25,6 +25,7 @@ from weightpull.drivers.cuda_ipc import cuda, mappings
 from weightpull.drivers.testing.conformance import ProcessPeer
 from weightpull.integrations.bench.gpu import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
+from weightpull.records import Reservation
 
 pytestmark = pytest.mark.anyio
 SHAPES = [("embed", (1000, 512)), *[(f"layer{i}.w", (512, 384 + i)) for i in range(12)], ("norm", (512,))]
@@ -179,5 +180,31 @@ async def test_a_reader_on_another_gpu_reads_peer_to_peer():
         assert any(key[1] == 1 for key in mappings.mapped)  # mapped into cuda:1, peer access on
         await puller.aclose()
         await transport.aclose()
+    finally:
+        await anyio.to_thread.run_sync(proc.stop)
+
+
+@pytest.mark.parametrize("slot_device", ["cuda:0", "cpu"])
+async def test_prepare_maps_a_publisher_process_slot_before_the_first_pull(slot_device):
+    proc = PublisherProcess([1 << 20], shapes=SHAPES, slot_device=slot_device)
+    try:
+        (manifest,), want = await anyio.to_thread.run_sync(proc.ready)
+        registry = await _registry_with(manifest)
+        await registry.reserve(Reservation(manifest.publisher, "cuda_ipc", (manifest.source,), manifest.nbytes))
+        transport = create_transport("cuda_ipc")
+        puller = Puller(registry, transport, device="cuda:0")
+        assert await puller.prepare() == 1
+        source = __import__("json").loads(manifest.source)
+        key = (source["file"], -1) if slot_device == "cpu" else (source["handle"], 0)
+        assert key in mappings.mapped  # mapped (a host slot: page-locked) before any read
+        if slot_device == "cpu":
+            assert cuda().host_pinned(mappings.mapped[key][0])
+        mirror = puller.mirror
+        assert mirror is not None and mirror.device == "cuda:0" and mirror.nbytes == manifest.nbytes
+        pulled = await puller.pull()
+        assert puller.mirror is mirror and mirror_checksums(pulled.layout, pulled.region) == want
+        await puller.aclose()
+        await transport.aclose()
+        assert key not in mappings.mapped
     finally:
         await anyio.to_thread.run_sync(proc.stop)
