@@ -345,7 +345,8 @@ class Ledger:
         the order their first prompt arrived."""
         groups: dict[str, list[Entry]] = {}
         unfinished: set[str] = set()
-        for e in self.store.select(list(PromptState)):
+        # Trained rows are left out: a group is marked trained whole, so none is half trained.
+        for e in self.store.select([PromptState.PENDING, PromptState.RUNNING, PromptState.DONE]):
             if e.state is PromptState.DONE:
                 groups.setdefault(e.group or e.id, []).append(e)
             else:
@@ -355,10 +356,6 @@ class Ledger:
             for g, entries in groups.items()
             if g not in unfinished
         ]
-
-    def group_prompts(self, group_ids: Iterable[str]) -> list[str]:
-        wanted = set(group_ids)
-        return [e.id for e in self.store.select(list(PromptState)) if (e.group or e.id) in wanted]
 
     def mark_trained(self, group_ids: Iterable[str], step: int) -> list[str]:
         """DONE -> TRAINED for every prompt of these groups, as consumed by training

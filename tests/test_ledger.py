@@ -4,8 +4,11 @@ invariants under any interleaving of them with crashes (hypothesis)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +184,27 @@ def test_processes_sharing_the_sqlite_ledger_never_claim_one_prompt_twice(tmp_pa
         p.join(10)
     claimed = [i for g in got for i in g]
     assert sorted(claimed) == sorted(f"p{i}" for i in range(300)) and len(set(claimed)) == 300
+
+
+def _claim_and_die(path: str) -> None:
+    ledger = Ledger.open(path, max_inflight=10)
+    ledger.beat("doomed", 0)
+    ledger.claim("doomed", 0, limit=3)
+    os.kill(os.getpid(), signal.SIGKILL)  # a rollout worker dies holding its prompts
+
+
+def test_a_killed_workers_prompts_are_reclaimed_after_the_timeout(tmp_path):
+    path = str(tmp_path / "ledger.db")
+    ledger = Ledger.open(path, max_inflight=10)
+    ledger.enqueue([Prompt(f"p{i}", 0) for i in range(4)])
+    proc = multiprocessing.get_context("spawn").Process(target=_claim_and_die, args=(path,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert ledger.counts()["running"] == 3 and ledger.reclaim(timeout=30) == []
+    time.sleep(0.3)
+    assert sorted(ledger.reclaim(timeout=0.2)) == ["p0", "p1", "p2"]  # silent past the timeout
+    assert [e.id for e in ledger.claim("alive", 0, limit=4)] == ["p0", "p1", "p2", "p3"]  # oldest first still
 
 
 def test_the_sqlite_ledger_is_in_the_file_after_each_call(tmp_path):

@@ -261,14 +261,14 @@ def main(spec: str) -> int:
                         "id": g.id,
                         "prompt": payloads[g.trajectories[0].prompt_id]["tokens"],
                         "completions": [list(tr.tokens) for tr in g.trajectories],
-                        "start": g.start_version,
+                        "age": staleness.age(g),  # the one clock's age, as eviction and the check saw it
                         "versions": [list(tr.versions) for tr in g.trajectories],
                     }
                     for g in got.groups
                 ],
             }
         batch = _broadcast(batch, rank)
-        ages = [t.version - g["start"] for g in batch["groups"]]
+        ages = [g["age"] for g in batch["groups"]]
         reward = t.train_on(batch["groups"])
         asked = t.version + 1
         if rank == 0:
