@@ -347,8 +347,9 @@ class Publisher:
                     await registry.mark(manifest.version, sent)
                     await anyio.sleep(_MARK_EVERY)
                     continue
-                # Woken by a bucket fenced here, or, for the worker thread's, at the next look.
-                with anyio.move_on_after(_MARK_POLL if waiting else None):
+                # Woken by a bucket fenced here, or, for the worker thread's, at the next look
+                # (always a timed look: the thread may start only after this wait began).
+                with anyio.move_on_after(_MARK_POLL):
                     await moved.wait()
                 moved = anyio.Event()
 

@@ -91,3 +91,53 @@ async def test_a_stream_that_turned_ready_then_retired_is_kept(world):
     assert pulled[0].version == 1 and puller.mirror_version == 1
     for name, t in tensors.items():
         assert bytes(pulled[0].view(name)) == t.data
+
+
+class QueuedCopies:
+    """Host tensors whose copies are queued at once and land `per_bucket` seconds apart (real
+    time, as a GPU's do): `landing()` waits, in the publisher's worker thread, for the
+    copies queued so far."""
+
+    def __init__(self, per_bucket):
+        from weightpull.tensors import HostTensorAdapter
+
+        self.inner, self.per_bucket = HostTensorAdapter(), per_bucket
+
+    def describe(self, name, value, rollout_dtype):
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items, region):
+        await self.inner.write(items, region)
+
+    async def fence(self):
+        await self.inner.fence()
+
+    def landing(self):
+        import time
+
+        return lambda: time.sleep(self.per_bucket)
+
+
+async def test_queued_copies_are_marked_as_they_land_not_only_at_the_commit():
+    """The worker thread that counts queued copies landed starts once they are all queued;
+    the marker, which began waiting before it started, must still look and mark while the
+    copies land (it once waited for a wake-up that never came: no marks, the stream read
+    only after its commit)."""
+    from weightpull import InProcessRegistry, Publisher
+    from weightpull.drivers.fake import FakeTransport
+
+    registry = InProcessRegistry()
+    marks = []
+    real = registry.mark
+
+    async def spy(version, committed):
+        marks.append(committed)
+        await real(version, committed)
+
+    registry.mark = spy
+    publisher = Publisher(
+        registry, FakeTransport(), stream=True, adapter=QueuedCopies(0.03), rollout_dtype=None, bucket_bytes=2048
+    )
+    await publisher.publish(1, host_tensors(1, sizes=(1500,) * 10))
+    assert marks and marks[0] < 10, f"no bucket was marked before the last landed: {marks}"
+    assert (await registry.progress(1)).state is VersionState.READY
