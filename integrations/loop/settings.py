@@ -21,8 +21,8 @@ class LoopConfig:
     lr: float = 2e-3
     warmup_steps: int = 10  # supervised steps before the first version: no all-zero groups
     max_staleness: int = 2  # off-policy bound, in versions
-    lookahead: int = 2  # steps of prompts enqueued ahead of training
-    max_inflight: int = 24  # prompts running at once, over every replica
+    lookahead: int = 3  # steps of prompts enqueued ahead of training
+    max_inflight: int = 32  # prompts running at once, over every replica
     min_step_s: float = 1.0  # the least time a training step takes: stands for a bigger model's step
     kill_at: int | None = None  # SIGKILL the trainer after this step (None: a random one)
     health_timeout: float = 20.0  # no rollout worker heard from for this long: the trainer fails
