@@ -175,7 +175,8 @@ class WeightpullWorker:
             if self._weightpull_fallback != CHECKPOINT:
                 raise RuntimeError("a worker records its slice before any version is applied")
             runner = self.model_runner  # type: ignore[attr-defined]
-            specs = [TensorSpec(name, "bfloat16", tuple(t.shape)) for name, t in apply.checkpoint_iterator(runner)]
+            dtype = str(runner.model_config.dtype).removeprefix("torch.")  # versions come in the engine's dtype
+            specs = [TensorSpec(name, dtype, tuple(t.shape)) for name, t in apply.checkpoint_iterator(runner)]
             reads = slices.record_reads(
                 runner, specs, ties=self._weightpull_ties or {}, restore=apply.checkpoint_iterator(runner)
             )
