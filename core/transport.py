@@ -45,6 +45,8 @@ class Remote:
     handle: Any = None
 
 
+_ROWS_AT_ONCE = 4096  # rows the default 2-D read hands `read_many` at a time
+
 # (remote, remote_offset, remote_pitch, local, local_offset, local_pitch, width, height)
 Read2D = tuple[Remote, int, int, Region, int, int, int, int]
 
@@ -163,7 +165,8 @@ class Transport(ABC):
         `native_2d`."""
         rows = [row for read in reads for row in rows_of(read)]
         try:
-            await self.read_many(rows)
+            for i in range(0, len(rows), _ROWS_AT_ONCE):  # a row-parallel share is ~10^5 rows: not all at once
+                await self.read_many(rows[i : i + _ROWS_AT_ONCE])
         except BaseExceptionGroup as group:  # the failure itself, as a plain read raises it
             raise first_error(group) from None
 

@@ -668,7 +668,7 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
 def _bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
         "bench",
-        help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry, fanout",
+        help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry, fanout, sharded",
         description="Each figure weightpull publishes about itself, measured beside the machine's own "
         "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
         "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
