@@ -130,6 +130,10 @@ class FaultyTransport(WrappedTransport):
         dst = None if local.view is None else local.view[local_offset : local_offset + nbytes]
         await self._injector.read(self.faults, nbytes, copy, dst)
 
+    @property
+    def native_2d(self) -> bool:  # type: ignore[override]  # its 2-D reads are its inner driver's
+        return self.inner.native_2d
+
     async def read_2d_many(self, reads: Sequence[Read2D]) -> None:
         """Each 2-D read faulted as one read of its bytes (rows end to end), and passed
         to `inner`'s own 2-D reads. A torn one scribbles nowhere: its rows are apart."""

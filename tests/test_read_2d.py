@@ -35,6 +35,7 @@ def test_a_faulted_2d_read_lands_every_row_or_fails_naming_the_fault(faults):
         mine = bytearray(4096)
         local = reader.register(mine)
         faulty = FaultyTransport(reader, faults)
+        assert faulty.native_2d  # the fake's
         if faults.fail_reads:
             with pytest.raises(TransportError, match="injected failure"):
                 await faulty.read_2d(remote, 3, 256, local, 0, 100, 100, 20)
