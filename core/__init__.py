@@ -24,6 +24,7 @@ from .errors import (
     MalformedMessageError,
     MessageTooLargeError,
     NoFreeSlotError,
+    NoProducerError,
     NoProgressError,
     NoReadyVersionError,
     PeerGoneError,
@@ -65,6 +66,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFailedError",
+    "NoProducerError",
     "ApplyCheckError",
     "ApplyError",
     "AuthenticationError",

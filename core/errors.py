@@ -214,5 +214,10 @@ class AgentFailedError(WeightpullError):
     chained to the cause, instead of waiting forever."""
 
 
+class NoProducerError(WeightpullError):
+    """Every producer a trainer's sample waits on has died, failed or gone silent: the
+    sample would never come. The message names each one and what became of it."""
+
+
 class StaleSampleError(WeightpullError):
     """A training sample held a group older than the staleness bound allows."""

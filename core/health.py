@@ -15,12 +15,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidArgumentError, WeightpullError
-
-
-class NoProducerError(WeightpullError):
-    """Every producer a trainer's sample waits on has died, failed or gone silent: the
-    sample would never come. The message names each one and what became of it."""
+from .errors import InvalidArgumentError, NoProducerError
 
 
 @attrs.frozen
