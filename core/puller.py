@@ -15,13 +15,14 @@ import math
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import Self
+from typing import Self, cast
 
 import anyio
 import attrs
 
 from . import transports
 from .clock import Clock, MonotonicClock
+from .digests import verify_bucket
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -32,6 +33,7 @@ from .errors import (
     PeerGoneError,
     RegionNotRegisteredError,
     TornReadError,
+    TransportError,
     VersionStateError,
     WeightpullError,
     first_error,
@@ -40,7 +42,7 @@ from .layout import Layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal
 from .records import Progress
-from .registry import Lease, Registry, ReservingRegistry, as_streaming
+from .registry import Lease, Registry, RelayingRegistry, ReservingRegistry, as_streaming
 from .states import VersionState
 from .transport import Region, Remote, Transport, fault_in
 
@@ -49,6 +51,17 @@ log = logging.getLogger(__name__)
 _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 _MAX_REMOTES = 16
 DEFAULT_STALL_TIMEOUT = 30.0
+MAX_SOURCE_TRIES = 3  # sources a pull with host= tries before it fails
+
+
+class _SourceFailed(Exception):
+    """A relay failed a pull (its cause says how): read the version afresh elsewhere."""
+
+    def __init__(self, source: str, version: int) -> None:
+        super().__init__(f"relay {source!r} failed v{version}")
+        self.source, self.version = source, version
+
+
 # The rates (local seconds per registry second) the renewal pacing believes. The slowest
 # is also assumed before a pull has measured its rate; a clock even faster than the
 # fastest renews more often than it needs to, never too late.
@@ -152,6 +165,7 @@ class Puller:
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         stream: bool = False,
         clock: Clock | None = None,
+        host: str | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
@@ -171,7 +185,15 @@ class Puller:
         (STREAMING, from a publisher with `stream=True`): it reads each bucket once the
         publisher marks it committed, waits for the rest, and keeps the copy only if
         the version turns READY while the lease holds; a stream that ends otherwise is a
-        `TornReadError`. The registry must be a `StreamingRegistry`."""
+        `TornReadError`. The registry must be a `StreamingRegistry`.
+
+        With `host` (this replica's host name), each lease is placed at the source the
+        registry picks (a `RelayingRegistry`): the version's own slot, or the mirror of a
+        replica that offered it (a relay; `offer`), the same host's first. Bytes read from
+        a relay are checked bucket by bucket against the publisher's digests, on a host
+        mirror only. When a relay fails mid-read (gone, stalled, or bytes that do not
+        match), the whole copy is dropped and read again from another source, excluding
+        that one, up to `MAX_SOURCE_TRIES` sources: a copy never mixes two sources."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(
                 f"digests are verified on host mirrors only, not on {device!r}; "
@@ -179,6 +201,15 @@ class Puller:
             )
         if ttl <= 0:
             raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+        if host is not None:
+            if not isinstance(registry, RelayingRegistry):
+                raise InvalidArgumentError(f"{type(registry).__name__} hands out no sources (host=)")
+            if not isinstance(host, str) or not host:
+                raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
+            if device != "cpu":
+                raise InvalidArgumentError(
+                    f"reading from relays (host=) checks digests on a host mirror; not on {device!r}"
+                )
         if stall_timeout is not None and not stall_timeout > 0:
             raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self.registry = registry
@@ -192,6 +223,8 @@ class Puller:
         self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
         self.stall_timeout = stall_timeout
         self.stream = stream
+        self.host = host
+        self.offered: int | None = None  # the version this mirror is offered for, as a relay
         if stream:  # refused now, not at the first pull
             as_streaming(registry)
         self.clock = clock or MonotonicClock()
@@ -221,7 +254,7 @@ class Puller:
         async with self._lock:
             before = self._last.version if self._last else None
             try:
-                pulled = await self._pull(version)
+                pulled = await self._pull_from_sources(version)
             except Exception as exc:
                 self._counts["failed"] += 1
                 self._counts["torn_reads"] += isinstance(exc, TornReadError)
@@ -285,9 +318,38 @@ class Puller:
             out["pull/versions_behind"] = self._behind
         return out
 
-    async def _pull(self, version: int | None) -> Pulled:
+    async def _pull_from_sources(self, version: int | None) -> Pulled:
+        """`_pull`, again from another source each time a relay fails it (host= only)."""
+        failed: list[str] = []
+        while True:
+            try:
+                return await self._pull(version, exclude=failed)
+            except _SourceFailed as exc:
+                failed.append(exc.source)
+                version = exc.version  # the same version, from elsewhere: never a mix
+                if len(failed) >= MAX_SOURCE_TRIES:
+                    raise exc.__cause__ or exc from None
+                log.warning(
+                    "%s: relay %r failed v%s (%s); reading it afresh elsewhere",
+                    self.holder,
+                    exc.source,
+                    exc.version,
+                    exc.__cause__,
+                )
+
+    async def _pull(self, version: int | None, exclude: list[str] | None = None) -> Pulled:
         started = self.clock.now()
-        if self.stream:
+        await self._keep_for_readers()
+        if self.host is not None:
+            lease = await cast(RelayingRegistry, self.registry).acquire(
+                version,
+                ttl=self.ttl,
+                holder=self.holder,
+                streaming=self.stream,
+                host=self.host,
+                exclude=tuple(exclude or ()),
+            )
+        elif self.stream:
             lease = await as_streaming(self.registry).acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
         else:
             lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
@@ -300,12 +362,21 @@ class Puller:
                     f"this puller reads over {self.transport.name!r}"
                 )
             mirror = self._mirror_for(manifest.layout)
-            reads = self._reads(manifest)
+            relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
+            reads = self._reads(relayed)
             self.mirror_version = None  # overwritten from here on
             try:
                 lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror)
-            except (RegionNotRegisteredError, PeerGoneError, NoProgressError):
-                self._forget(manifest)  # the memory or peer behind those connections is gone or stuck: connect afresh
+                if lease.source:  # bytes no lease vouches for: each bucket against the publisher's digest
+                    await self._verify_relayed(manifest, mirror, lease.source)
+            except (TransportError, NoProgressError, DigestMismatchError) as exc:
+                if lease.source:  # the relay failed this copy: all of it is dropped, read elsewhere
+                    self._forget(relayed)
+                    raise _SourceFailed(lease.source, lease.version) from exc
+                if isinstance(exc, (RegionNotRegisteredError, PeerGoneError, NoProgressError)):
+                    self._forget(
+                        manifest
+                    )  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
             if self.stream and manifest.digests is None and self.verify_digests:
                 manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
@@ -464,6 +535,45 @@ class Puller:
         async with anyio.create_task_group() as tg:
             for r in reads:
                 tg.start_soon(read, *r)
+
+    async def _verify_relayed(self, manifest: Manifest, mirror: Region, source: str) -> None:
+        if manifest.digests is None:  # a registry refuses offers without them; a copy without is no copy
+            raise DigestMismatchError(f"v{manifest.version} came from relay {source!r} with no digests to check")
+        view = mirror.host_view()
+        digests = manifest.digests
+
+        def check() -> None:
+            for b, want in zip(manifest.layout.buckets, digests, strict=True):
+                verify_bucket(manifest.version, b.index, view[b.offset : b.offset + b.nbytes], want, source=source)
+
+        await anyio.to_thread.run_sync(check)
+
+    async def offer(self, *, cap: int | None = None) -> int:
+        """Offer the version this mirror holds (the last pull's) to other replicas, as a
+        relay. Needs `host`. Until the next pull, the mirror is theirs to read too: that
+        pull first withdraws the offer and waits until no lease reads from it (the same
+        rule as a trainer's slot), so a replica that relays and keeps pulling should give
+        its relay a buffer of its own (docs/fanout.md). Returns the version offered."""
+        if self.host is None:
+            raise InvalidArgumentError("only a puller made with host= offers its mirror as a relay")
+        if self.mirror is None or self.mirror_version is None:
+            raise InvalidArgumentError("nothing to offer: no pull has completed into this mirror")
+        registry = cast(RelayingRegistry, self.registry)
+        descriptor = self.transport.export(self.mirror)
+        await registry.offer(self.mirror_version, holder=self.holder, host=self.host, descriptor=descriptor, cap=cap)
+        self.offered = self.mirror_version
+        return self.offered
+
+    async def _keep_for_readers(self) -> None:
+        """Before the mirror is overwritten: withdraw its offer, then wait while leases
+        still read from it (each ends within its TTL)."""
+        if self.offered is None:
+            return
+        registry = cast(RelayingRegistry, self.registry)
+        version, self.offered = self.offered, None
+        await registry.withdraw(version, holder=self.holder)
+        while await registry.readers_at(version, self.holder):
+            await self.clock.sleep(min(0.05, self.ttl / 10))
 
     async def _verify(self, manifest: Manifest, mirror: Region) -> None:
         view = mirror.host_view()

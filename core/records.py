@@ -24,6 +24,10 @@ class Lease(schema.Record):
     holder: str
     ttl: float
     expires_at: float
+    # Where to read it: "" for the version's own slot (its manifest's source), else the
+    # relay (its holder name) whose mirror holds it, and that mirror's descriptor.
+    source: str = ""
+    descriptor: bytes = b""
 
 
 @attrs.frozen
@@ -87,6 +91,12 @@ class RegistryStatus(schema.Record):
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is RegistryStatus,
     lambda t: make_dict_unstructure_fn(t, schema.converter, alive=override(omit_if_default=True)),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is Lease,
+    lambda t: make_dict_unstructure_fn(
+        t, schema.converter, source=override(omit_if_default=True), descriptor=override(omit_if_default=True)
+    ),
 )
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is VersionInfo,

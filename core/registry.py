@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
@@ -111,6 +111,30 @@ class ReservingRegistry(Protocol):
     async def reservations(self) -> tuple[Reservation, ...]: ...
 
 
+@runtime_checkable
+class RelayingRegistry(Protocol):
+    """A registry that hands readers a source of each version (every registry of
+    weightpull's own does): a replica holding a READY version `offer`s its mirror; a
+    reader's `acquire(..., host=...)` is placed at the source the registry picks (the
+    lease names it); a relay keeps its mirror while `readers_at` it is above 0."""
+
+    async def acquire(
+        self,
+        version: int | None = None,
+        *,
+        ttl: float,
+        holder: str,
+        streaming: bool = False,
+        host: str | None = None,
+        exclude: Iterable[str] = (),
+    ) -> Lease: ...
+    async def offer(
+        self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None
+    ) -> None: ...
+    async def withdraw(self, version: int, *, holder: str) -> None: ...
+    async def readers_at(self, version: int, holder: str) -> int: ...
+
+
 def as_streaming(registry: Registry) -> StreamingRegistry:
     """`registry`, for a publisher or puller made with `stream=True`: one that cannot
     stream is refused when they are made, naming it."""
@@ -179,8 +203,28 @@ class InProcessRegistry:
     async def get(self, version: int) -> Manifest:
         return self.machine.get(version, by=self.principal)
 
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False) -> Lease:
-        return self.machine.acquire(version, ttl=ttl, holder=holder, by=self.principal, streaming=streaming)
+    async def acquire(
+        self,
+        version: int | None = None,
+        *,
+        ttl: float,
+        holder: str,
+        streaming: bool = False,
+        host: str | None = None,
+        exclude: Iterable[str] = (),
+    ) -> Lease:
+        return self.machine.acquire(
+            version, ttl=ttl, holder=holder, by=self.principal, streaming=streaming, host=host, exclude=exclude
+        )
+
+    async def offer(self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None) -> None:
+        self.machine.offer(version, holder=holder, host=host, descriptor=descriptor, cap=cap, by=self.principal)
+
+    async def withdraw(self, version: int, *, holder: str) -> None:
+        self.machine.withdraw(version, holder=holder, by=self.principal)
+
+    async def readers_at(self, version: int, holder: str) -> int:
+        return self.machine.readers_at(version, holder, by=self.principal)
 
     async def stream(self, manifest: Manifest) -> None:
         self.machine.stream(manifest, by=self.principal)

@@ -30,11 +30,12 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, Protocol
 
 import attrs
 
+from .digests import check_servable
 from .errors import (
     InvalidArgumentError,
     LeaseExpiredError,
@@ -49,8 +50,10 @@ from .errors import (
 from .manifest import Manifest
 from .principals import ADMIN, Principal, Role, root
 from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
+from .relays import Offer, RelayBook
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
+from .sources import Reader
 from .states import LEASE, VERSION, LeaseEvent, LeaseState, VersionEvent, VersionState
 
 log = logging.getLogger("weightpull.registry")
@@ -77,9 +80,11 @@ class _Lease:
     ttl: float
     expires_at: float
     state: LeaseState = LeaseState.ACTIVE
+    source: str = ""  # a relay's holder name; "": the version's own slot
+    descriptor: bytes = b""
 
     def public(self) -> Lease:
-        return Lease(self.id, self.version, self.holder, self.ttl, self.expires_at)
+        return Lease(self.id, self.version, self.holder, self.ttl, self.expires_at, self.source, self.descriptor)
 
 
 @attrs.define
@@ -139,6 +144,7 @@ class RegistryMachine:
         self._lease_prefix = uuid.uuid4().hex[:12]
         self._lease_ids = itertools.count(1)
         self._watchers: list[Callable[[], None]] = []
+        self.relays = RelayBook()  # replicas' offers to serve versions, and leases placed at them
         self._reservations: dict[str, Reservation] = {}  # publisher -> its slots, registered ahead
 
     @property
@@ -423,10 +429,23 @@ class RegistryMachine:
         return record.manifest
 
     def acquire(
-        self, version: int | None = None, *, ttl: float, holder: str, by: Principal = ADMIN, streaming: bool = False
+        self,
+        version: int | None = None,
+        *,
+        ttl: float,
+        holder: str,
+        by: Principal = ADMIN,
+        streaming: bool = False,
+        host: str | None = None,
+        exclude: Iterable[str] = (),
     ) -> Lease:
         """Lease the newest READY version, or `version` if it is READY. With `streaming`,
-        a STREAMING version counts too: the newest of either, or `version` if it is one."""
+        a STREAMING version counts too: the newest of either, or `version` if it is one.
+
+        With `host` (the reader's), the lease is placed at a source of the version the
+        registry picks (`weightpull.sources.choose_source`: its own slot, or a replica's
+        offered mirror, never one in `exclude`); the lease names it (`source`,
+        `descriptor`). `NoSourceError` when every source is full or excluded."""
         self._enter(by, "acquire")
         check_name("holder", holder)
         if not by.owns(holder):
@@ -449,6 +468,14 @@ class RegistryMachine:
         lease = _Lease(
             f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl
         )
+        if host is not None:
+            check_name("host", host)
+            if isinstance(exclude, str):
+                raise InvalidArgumentError(f"exclude is a collection of source names, not the string {exclude!r}")
+            self._sync_relays()
+            offer = self.relays.place(lease.id, version, Reader(holder, host), exclude=tuple(exclude))
+            if offer is not None:
+                lease.source, lease.descriptor = offer.holder, offer.descriptor
         self._prune(record)
         record.leases[lease.id] = lease
         self._lease_index[lease.id] = version
@@ -474,11 +501,67 @@ class RegistryMachine:
             self._check_holder(by, record, "release")
         if record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE:
             record.state = LEASE.fire(record.state, LeaseEvent.RELEASE, f"{lease.id}")
+        self.relays.release(lease.id)
 
     def is_valid(self, lease: Lease, *, by: Principal = ADMIN) -> bool:
         self._enter(by, "is_valid")
         record = self._lease(lease)
         return record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE
+
+    # -- relays -------------------------------------------------------------------------
+
+    def offer(
+        self,
+        version: int,
+        *,
+        holder: str,
+        host: str,
+        descriptor: bytes,
+        cap: int | None = None,
+        by: Principal = ADMIN,
+    ) -> None:
+        """A replica that holds READY `version` whole in a mirror offers to serve it from
+        there, as `holder` (a name of its own) on `host`, at most `cap` readers at once.
+        Its readers check every bucket against the publisher's digests, so a version
+        without digests cannot be offered. The offer lasts until withdrawn, the version
+        is reclaimed, or the offering principal's liveness lapses."""
+        self._enter(by, "offer")
+        check_name("holder", holder)
+        if not by.owns(holder):
+            self._refuse(by, "offer", f"v{version} as {holder!r}", "a principal offers only under its own names")
+        record = self._record(version)
+        if record.state is not VersionState.READY or record.manifest is None:
+            raise VersionStateError(f"version {version} is {record.state}: only a READY version may be relayed")
+        if record.manifest.sharded:
+            raise InvalidArgumentError(f"v{version} is sharded: a relay serves whole versions only")
+        check_servable(version, record.manifest.digests, len(record.manifest.layout.buckets))
+        self._sync_relays()
+        hops = self.relays.hops_of(version, holder)
+        self.relays.offer(Offer(version, holder, host, descriptor, cap, hops))
+
+    def withdraw(self, version: int, *, holder: str, by: Principal = ADMIN) -> None:
+        """End an offer (idempotent). Leases placed at it read on until they end: the
+        relay keeps its mirror while `readers_at` says any do."""
+        self._enter(by, "withdraw")
+        check_name("holder", holder)
+        if not by.owns(holder):
+            self._refuse(by, "withdraw", f"v{version} as {holder!r}", "a principal withdraws only its own offers")
+        self.relays.withdraw(check_int("version", version), holder)
+
+    def readers_at(self, version: int, holder: str, *, by: Principal = ADMIN) -> int:
+        """Live leases reading `version` from `holder`'s mirror: while above 0, the relay
+        must neither overwrite nor drop that mirror."""
+        self._enter(by, "readers_at")
+        self._sync_relays()
+        return self.relays.leases_at(check_int("version", version), check_name("holder", holder))
+
+    def _sync_relays(self) -> None:
+        """Release the placements of leases that ended (expired, or forgotten)."""
+        for lease_id in self.relays.placed():
+            version = self._lease_index.get(lease_id)
+            record = None if version is None else self._versions[version].leases.get(lease_id)
+            if record is None or self._expired(record) or record.state is not LeaseState.ACTIVE:
+                self.relays.release(lease_id)
 
     # -- replicas, liveness and status ---------------------------------------------------
 
@@ -641,6 +724,7 @@ class RegistryMachine:
             if expires > now or name in self._lapsed:
                 continue
             self._lapsed.add(name)
+            self.relays.lapse(name)  # its mirrors are gone with it: readers there choose again
             for replica in [r for r in self._serving if root(r) == name]:  # it serves nothing now
                 del self._serving[replica]
             for publisher in [p for p in self._reservations if root(p) == name]:  # its slots are gone
@@ -684,6 +768,7 @@ class RegistryMachine:
 
     def _drop(self, record: _Version) -> None:
         self._move(record, VersionEvent.RECLAIM)
+        self.relays.forget(record.version)
         for lease_id in record.leases:
             self._lease_index.pop(lease_id, None)
         del self._versions[record.version]

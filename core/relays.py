@@ -63,6 +63,7 @@ class RelayBook:
         self.origin_cap, self.origin_host = origin_cap, origin_host
         self._offers: dict[int, dict[str, Offer]] = {}  # version -> holder -> offer
         self._placed: dict[str, _Placed] = {}  # lease id -> where it reads
+        self._reached: dict[tuple[int, str], int] = {}  # (version, reader) -> hops of its copy
 
     # -- offers --------------------------------------------------------------------------
 
@@ -100,6 +101,8 @@ class RelayBook:
         self._offers.pop(version, None)
         for lease_id in [i for i, p in self._placed.items() if p.version == version]:
             del self._placed[lease_id]
+        for key in [k for k in self._reached if k[0] == version]:
+            del self._reached[key]
 
     def offers(self, version: int) -> tuple[Offer, ...]:
         return tuple(self._offers.get(version, {}).values())
@@ -130,11 +133,21 @@ class RelayBook:
             raise InvalidArgumentError(f"lease {lease_id} is placed already")
         chosen = choose_source(self.sources(version), reader, exclude=exclude)  # never the reader itself
         self._placed[lease_id] = _Placed(version, chosen.name, reader.name)
+        self._reached[(version, reader.name)] = chosen.hops + 1
         return None if chosen.name == ORIGIN else self._offers[version][chosen.name]
 
     def release(self, lease_id: str) -> None:
         """The lease ended (released, expired, or its holder lapsed). Idempotent."""
         self._placed.pop(lease_id, None)
+
+    def placed(self) -> list[str]:
+        """The lease ids placed, for the registry to release those that ended."""
+        return list(self._placed)
+
+    def hops_of(self, version: int, holder: str) -> int:
+        """How far from the origin `holder`'s copy of `version` came: one more than the
+        source of the last lease it held placed (1 when it read the origin)."""
+        return self._reached.get((version, holder), 1)
 
     def source_of(self, lease_id: str) -> str | None:
         placed = self._placed.get(lease_id)

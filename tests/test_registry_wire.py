@@ -149,9 +149,9 @@ def test_keepalive_and_a_numberless_begin_are_on_the_wire():
 
 
 def test_every_operation_of_the_registry_is_on_the_wire():
-    from weightpull.registry import Registry, ReservingRegistry, StreamingRegistry
+    from weightpull.registry import Registry, RelayingRegistry, ReservingRegistry, StreamingRegistry
 
-    protocols = (Registry, StreamingRegistry, ReservingRegistry)
+    protocols = (Registry, StreamingRegistry, ReservingRegistry, RelayingRegistry)
     methods = {m for protocol in protocols for m in vars(protocol) if not m.startswith("_")}
     assert methods <= set(wire.OPS)
     assert {op for op, spec in wire.OPS.items() if spec.mutates} == {
@@ -168,6 +168,8 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "mark",
         "commit_stream",
         "reserve",
+        "offer",
+        "withdraw",
     }
 
 

@@ -33,11 +33,12 @@ with`, the heartbeat is a task of the event loop that `aclose` or the loop's end
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Self
 
 import anyio
@@ -250,9 +251,35 @@ class ZmqRegistry:
     async def get(self, version: int) -> Manifest:
         return Manifest.from_dict(await self._call("get", version=version))
 
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False) -> Lease:
-        extra = {"streaming": True} if streaming else {}  # sent only when set: an older server takes the rest
+    async def acquire(
+        self,
+        version: int | None = None,
+        *,
+        ttl: float,
+        holder: str,
+        streaming: bool = False,
+        host: str | None = None,
+        exclude: Iterable[str] = (),
+    ) -> Lease:
+        extra: dict[str, Any] = (
+            {"streaming": True} if streaming else {}
+        )  # sent only when set: an older server takes the rest
+        if host is not None:
+            extra |= {"host": host, "exclude": list(exclude)}
         return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder, **extra))
+
+    # -- relays ----------------------------------------------------------------------------
+
+    async def offer(self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None) -> None:
+        extra = {} if cap is None else {"cap": cap}
+        text = base64.b64encode(descriptor).decode()
+        await self._call("offer", version=version, holder=holder, host=host, descriptor=text, **extra)
+
+    async def withdraw(self, version: int, *, holder: str) -> None:
+        await self._call("withdraw", version=version, holder=holder)
+
+    async def readers_at(self, version: int, holder: str) -> int:
+        return int(await self._call("readers_at", version=version, holder=holder))
 
     async def renew(self, lease: Lease) -> Lease:
         return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))

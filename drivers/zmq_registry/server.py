@@ -30,6 +30,7 @@ With `metrics_port`, it also serves the registry's status to Prometheus over HTT
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import logging
 import os
@@ -49,6 +50,7 @@ from zmq.utils import z85
 from weightpull.errors import (
     AuthenticationError,
     InvalidArgumentError,
+    MalformedMessageError,
     ProtocolError,
     RegistryError,
     WeightpullError,
@@ -418,7 +420,24 @@ class RegistryServer:
                 return m.get(a["version"], by=by).to_dict()
             case "acquire":
                 streaming = bool(a.get("streaming"))
-                return m.acquire(a["version"], ttl=a["ttl"], holder=a["holder"], by=by, streaming=streaming).to_dict()
+                return m.acquire(
+                    a["version"],
+                    ttl=a["ttl"],
+                    holder=a["holder"],
+                    by=by,
+                    streaming=streaming,
+                    host=a.get("host"),
+                    exclude=tuple(a.get("exclude") or ()),
+                ).to_dict()
+            case "offer":
+                descriptor = _unbase64(a["descriptor"])
+                return m.offer(
+                    a["version"], holder=a["holder"], host=a["host"], descriptor=descriptor, cap=a.get("cap"), by=by
+                )
+            case "withdraw":
+                return m.withdraw(a["version"], holder=a["holder"], by=by)
+            case "readers_at":
+                return m.readers_at(a["version"], a["holder"], by=by)
             case "stream":
                 return m.stream(Manifest.from_dict(a["manifest"]), by=by)
             case "mark":
@@ -455,6 +474,13 @@ class RegistryServer:
 
 
 _WAITS = ("wait_for_version", "wait_for_buckets")  # answered from a task of their own
+
+
+def _unbase64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise MalformedMessageError("descriptor: not base64 text") from None
 
 
 def _shard(args: dict[str, Any]) -> tuple[int, int] | None:

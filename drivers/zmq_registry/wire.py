@@ -149,6 +149,8 @@ ShardArg = schema.refined(
     "ShardArg", tuple[Count, Count], "[index, count] with 0 <= index < count", lambda v: v[0] < v[1]
 )
 Object = dict[str, Any]
+# A transport's descriptor of a relay's mirror, base64: agent metadata can run to kilobytes.
+Blob = schema.refined("Blob", str, "base64 text of at most 1 MiB", lambda v: len(v) <= 1 << 20)
 Names = schema.refined("Names", list[Text], "a list of at most 1024 names", lambda v: len(v) <= 1024)
 
 
@@ -291,7 +293,14 @@ OPS: Mapping[str, Op] = {
     "reclaim": Op({"version": Count}, True),
     "newest": Op({}, False),
     "get": Op({"version": Count}, False),
-    "acquire": Op({"version": Count | None, "ttl": Seconds, "holder": Text}, True, {"streaming": bool}),
+    "acquire": Op(
+        {"version": Count | None, "ttl": Seconds, "holder": Text},
+        True,
+        {"streaming": bool, "host": Text, "exclude": Names},
+    ),
+    "offer": Op({"version": Count, "holder": Text, "host": Text, "descriptor": Blob}, True, {"cap": Count}),
+    "withdraw": Op({"version": Count, "holder": Text}, True),
+    "readers_at": Op({"version": Count, "holder": Text}, False),
     "stream": Op({"manifest": Object}, True),
     "mark": Op({"version": Count, "committed": Count}, True),
     "commit_stream": Op({"version": Count}, True, {"digests": list[Text]}),

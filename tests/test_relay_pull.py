@@ -1,0 +1,132 @@
+"""Relays end to end, in one process over the fake transport: a replica offers its mirror,
+the registry places readers' leases at it, readers check every bucket against the
+publisher's digests, and a relay that fails a reader sends it elsewhere, never leaving
+it a copy of two sources."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightpull import FakeClock, InProcessRegistry, InvalidArgumentError, PermissionDeniedError, Principal
+from weightpull.errors import NoSourceError, VersionStateError
+from weightpull.manifest import Manifest
+
+from .conftest import autojump, host_tensors
+
+pytestmark = pytest.mark.anyio
+
+
+def same(pulled, version=1) -> bool:
+    return all(bytes(pulled.view(n)) == t.data for n, t in host_tensors(version).items())
+
+
+async def test_a_reader_reads_a_relay_on_its_host_and_the_copy_is_exact(world):
+    publisher = world.publisher(digests=True)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    assert same(await relay.pull())
+    assert await relay.offer() == 1
+    await publisher.transport.aclose()  # the trainer's slot is gone: only the relay can serve now
+    reader = world.puller(host="h1", holder="reader")
+    assert same(await reader.pull())
+    assert await world.registry.readers_at(1, "relay") == 0  # its lease ended
+
+
+async def test_a_relay_that_died_sends_its_reader_back_to_the_origin(world, caplog):
+    await world.publisher(digests=True).publish(1, host_tensors(1))
+    transport = world.transport()
+    relay = world.puller(transport, host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    await transport.aclose()  # the relay's process exited; its offer has not lapsed yet
+    reader = world.puller(host="h1", holder="reader")
+    pulled = await reader.pull()
+    assert same(pulled) and reader.metrics()["pull/failed"] == 0
+    assert "relay 'relay' failed v1" in caplog.text  # it was handed the relay first
+
+
+async def test_bytes_a_relay_changed_are_caught_and_read_again_elsewhere(world, caplog):
+    await world.publisher(digests=True).publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    relay.mirror.host_view()[10] ^= 0xFF  # a bug, or a hostile relay
+    reader = world.puller(host="h1", holder="reader")
+    assert same(await reader.pull())  # from the origin, after the relay's copy failed its digests
+    assert "does not match the publisher's blake2b128 digest" in caplog.text
+
+
+async def test_a_relay_keeps_its_mirror_while_a_lease_reads_from_it(world):
+    publisher = world.publisher(digests=True, num_slots=2)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    lease = await world.registry.acquire(1, ttl=5.0, holder="reader", host="h1")
+    assert lease.source == "relay" and lease.descriptor
+    assert await world.registry.readers_at(1, "relay") == 1
+    await publisher.publish(2, host_tensors(2))
+    # the relay's next pull waits for that lease to end (here: its TTL on the fake clock)
+    start = world.clock.now()
+    async with autojump(world.clock):
+        assert same(await relay.pull(), 2)
+    assert world.clock.now() - start >= 5.0
+    assert world.registry.machine.relays.offers(1) == ()  # it withdrew its offer first
+
+
+async def test_offers_need_digests_a_ready_version_and_names_of_ones_own():
+    registry = InProcessRegistry(FakeClock())
+    reader = registry.as_principal(Principal.reader("r"))
+    with pytest.raises(Exception, match="unknown"):
+        await registry.offer(1, holder="r", host="h", descriptor=b"d")
+    from weightpull.layout import TensorSpec, plan_layout
+
+    layout = plan_layout([TensorSpec("w", "uint8", (10,))])
+    await registry.begin(1, publisher="p", slot=0)
+    with pytest.raises(VersionStateError, match="READY"):
+        await registry.offer(1, holder="r", host="h", descriptor=b"d")
+    await registry.commit(Manifest(1, layout, "fake", b"src", 0, "p"))
+    with pytest.raises(InvalidArgumentError, match="no digests"):
+        await registry.offer(1, holder="r", host="h", descriptor=b"d")
+    with pytest.raises(PermissionDeniedError):
+        await reader.offer(1, holder="someone-else", host="h", descriptor=b"d")
+
+
+async def test_a_lapsed_relays_offers_vanish_after_its_liveness_ttl():
+    clock = FakeClock()
+    registry = InProcessRegistry(clock, liveness_ttl=2.0)
+    from weightpull.layout import TensorSpec, plan_layout
+
+    layout = plan_layout([TensorSpec("w", "uint8", (10,))])
+    publisher = registry.as_principal(Principal.publisher("p"))
+    await publisher.begin(1, publisher="p", slot=0)
+    await publisher.commit(Manifest(1, layout, "fake", b"src", 0, "p", digests=("00" * 16,)))
+    relay = registry.as_principal(Principal.reader("relay"))
+    await relay.offer(1, holder="relay", host="h1", descriptor=b"mirror")
+    assert (await registry.acquire(1, ttl=5.0, holder="a", host="h1")).source == "relay"
+    clock.advance(1.5)
+    await publisher.newest()  # the publisher is heard from; the relay is not
+    clock.advance(1.0)
+    assert (await registry.acquire(1, ttl=5.0, holder="b", host="h1")).source == ""
+
+
+async def test_a_full_relay_and_an_excluded_origin_leave_no_source(world):
+    await world.publisher(digests=True).publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer(cap=1)
+    lease = await world.registry.acquire(1, ttl=5.0, holder="a", host="h1")
+    assert lease.source == "relay"
+    with pytest.raises(NoSourceError, match="full"):
+        await world.registry.acquire(1, ttl=5.0, holder="b", host="h1", exclude=["origin"])
+    await world.registry.release(lease)
+    assert (await world.registry.acquire(1, ttl=5.0, holder="b", host="h1", exclude=["origin"])).source == "relay"
+
+
+async def test_host_needs_a_host_mirror_and_a_name(world):
+    with pytest.raises(InvalidArgumentError, match="host mirror"):
+        world.puller(host="h1", device="cuda:0")
+    with pytest.raises(InvalidArgumentError, match="host must be"):
+        world.puller(host="")
+    with pytest.raises(InvalidArgumentError, match="host="):
+        await world.puller().offer()
