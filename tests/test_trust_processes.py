@@ -389,6 +389,9 @@ class Flooder:
             "is_valid": lambda: self.reg.is_valid(self.lease()[1]),
             "report_serving": self._report_serving,
             "status": self._status,
+            "offer": self._offer,
+            "withdraw": self._withdraw,
+            "readers_at": lambda: self.reg.readers_at(self.version(), self.name()),
         }
         assert self.acts.keys() == wire.OPS.keys(), "a flooder sends every operation of the protocol"
 
@@ -538,6 +541,20 @@ class Flooder:
         replica = self.name()
         self.mark_hostile(names=(replica,))
         await self.reg.report_serving(replica, self.version())
+
+    async def _offer(self) -> None:
+        """A relay's offer, under its own names or another's, of any version."""
+        holder = self.name()
+        self.mark_hostile(names=(holder,))
+        descriptor = self.rng.randbytes(self.rng.randrange(1, 64))
+        await self.reg.offer(
+            self.version(), holder=holder, host="h", descriptor=descriptor, cap=self.rng.choice([None, 1])
+        )
+
+    async def _withdraw(self) -> None:
+        holder = self.name()
+        self.mark_hostile(names=(holder,))
+        await self.reg.withdraw(self.version(), holder=holder)
 
     async def _status(self) -> None:
         self.view = await self.reg.status()
