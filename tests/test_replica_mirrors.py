@@ -10,6 +10,7 @@ from tests.conftest import host_tensors, settle  # noqa: E402
 from weightpull import InProcessRegistry, Publisher  # noqa: E402
 from weightpull.drivers.fake import FakeTransport  # noqa: E402
 from weightpull.errors import TornReadError  # noqa: E402
+from weightpull.layout import TensorSpec  # noqa: E402
 from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -80,5 +81,31 @@ async def test_background_pulls_keep_both_mirrors_on_the_device_asked_for():
     pulls = await anyio.to_thread.run_sync(lambda: BackgroundPulls(setup, holder="r0", device="cpu"))
     try:
         assert [p.device for p in pulls.pair.pullers] == ["cpu", "cpu"]
+    finally:
+        await anyio.to_thread.run_sync(pulls.close)
+
+
+async def test_prepare_sizes_both_mirrors_and_maps_the_reserved_slots_in_the_background():
+    registry = InProcessRegistry()
+    publisher = Publisher(registry, FakeTransport(), rollout_dtype=None, bucket_bytes=2048)
+    tensors = host_tensors(1)
+    await publisher.reserve([TensorSpec(n, t.dtype, t.shape) for n, t in tensors.items()])
+    reader = FakeTransport()
+
+    async def setup():
+        return registry, reader
+
+    pulls = await anyio.to_thread.run_sync(lambda: BackgroundPulls(setup, holder="r0", ttl=0.5))
+    try:
+        mapped = await anyio.to_thread.run_sync(lambda: pulls.prepare().result(10))
+        assert mapped == 2 * len(publisher.slots)  # each mirror's puller maps every reserved slot
+        mirrors = [p.mirror for p in pulls.pair.pullers]
+        assert all(m is not None and m.nbytes == publisher.reservation.nbytes for m in mirrors)
+        await publisher.publish(1, tensors)
+        pulls.prefetch(1)
+        assert (await anyio.to_thread.run_sync(settle, pulls))["pulled"] == 1
+        first = pulls.take(1)
+        assert first.region in mirrors  # pulled into a mirror made ahead
+        assert as_bytes(first) == {n: t.data for n, t in tensors.items()}
     finally:
         await anyio.to_thread.run_sync(pulls.close)

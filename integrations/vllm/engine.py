@@ -84,6 +84,11 @@ class VllmEngine:
             if status.get("error"):
                 raise _error(status["error"])
 
+    async def prepare(self) -> None:
+        """Before the first version (the update agent calls it once): every worker maps
+        the publishers' reserved slots and sizes its mirrors, in the background."""
+        await self._rpc("weightpull_prepare")
+
     async def prefetch(self, version: int) -> None:
         statuses = await self._rpc("weightpull_prefetch", version)
         while True:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from weightpull.slices import RankSlice
 from weightpull.transport import Transport
 
 from ..torch_tensors import as_tensors
+
+log = logging.getLogger(__name__)
 
 
 class MirrorPair:
@@ -61,6 +64,11 @@ class MirrorPair:
         runs one pull at a time."""
         return await self.pullers[self._spare].pull(version)
 
+    async def prepare(self) -> int:
+        """Size both mirrors and map the slots publishers reserved ahead (`Puller.prepare`);
+        the slots mapped. A sliced mirror's size is its rank's, known from the first pull."""
+        return sum([await p.prepare() for p in self.pullers if isinstance(p, Puller)])
+
     def promote(self, pulled: Pulled | SlicePulled) -> None:
         """`pulled` now serves: its mirror stops being the spare."""
         index = next((i for i, p in enumerate(self.pullers) if p.mirror is pulled.region), None)
@@ -77,6 +85,11 @@ class MirrorPair:
 def checkpoint_weights(pulled: Pulled) -> Iterator[tuple[str, torch.Tensor]]:
     """The mirror's tensors, by their checkpoint names, as zero-copy views."""
     yield from as_tensors(pulled.layout, pulled.region).items()
+
+
+def _log_failure(future: concurrent.futures.Future[int]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("could not prepare the mirrors ahead: %r", future.exception())
 
 
 def error_info(exc: BaseException) -> dict[str, str]:
@@ -112,6 +125,14 @@ class BackgroundPulls:
             raise
         self._version: int | None = None  # the version of the pull below
         self._future: concurrent.futures.Future[Any] | None = None
+
+    def prepare(self) -> concurrent.futures.Future[int]:
+        """Start mapping the reserved slots and sizing the mirrors, and return at once: it
+        takes seconds for gigabytes of host slots, and the engine generates meanwhile (a
+        pull started later waits for it: each puller runs one thing at a time)."""
+        future = self._portal.start_task_soon(self.pair.prepare)
+        future.add_done_callback(_log_failure)
+        return future
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` into the spare mirror and return at once. Asking again

@@ -117,6 +117,12 @@ class WeightpullWorker:
         )
         return self.weightpull_status()
 
+    def weightpull_prepare(self) -> dict[str, Any]:
+        """Start mapping the slots publishers reserved ahead, and sizing the mirrors, in the
+        background (the first pull waits for it)."""
+        self._weightpull_pulls().prepare()
+        return {"preparing": True}
+
     def weightpull_prefetch(self, version: int) -> dict[str, Any]:
         self._weightpull_pulls().prefetch(version)
         return self.weightpull_status()
