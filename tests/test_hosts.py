@@ -104,3 +104,21 @@ def test_fanout_through_a_relay_is_byte_exact_and_checked_against_the_publishers
     (row,) = result["rows"]
     # the trainer serves one reader at a time: the second reads the first, a relay
     assert row["hops"] == 2 and row["byte_exact"], row
+
+
+def test_a_sigterm_still_deletes_every_namespace(tmp_path):
+    """`timeout` or a cancelled CI job sends SIGTERM: the hosts go all the same."""
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import time\n"
+        "from weightpull.integrations.bench.hosts import Hosts\n"
+        "with Hosts(2) as h:\n"
+        "    print(' '.join(h.made), flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    made = proc.stdout.readline().split()
+    assert len(made) == 3 and set(made) <= set(namespaces())
+    proc.terminate()
+    assert proc.wait(30) == 128 + 15
+    assert not set(made) & set(namespaces())

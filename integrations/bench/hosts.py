@@ -8,8 +8,8 @@ of every link is shaped with `tc tbf` to `rate`, so a host sends and receives at
 another process's memory directly (CMA), bypassing the links and their shaping.
 
 Bounded: at most `MAX_HOSTS` hosts; every `ip`/`tc` call has a timeout. It cleans up after
-itself: `close()` (or leaving the `with`) deletes every namespace it made, which deletes
-their links, even when making them failed half way. Needs root (`ip netns add`).
+itself: `close()` (or leaving the `with`, also on SIGTERM) deletes every namespace it made,
+which deletes their links, even when making them failed half way. Needs root.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Sequence
 
 from weightpull.errors import InvalidArgumentError
@@ -120,7 +122,20 @@ class Hosts:
             raise RuntimeError("could not delete namespaces: " + "; ".join(errors))
 
     def __enter__(self) -> Hosts:
+        # A SIGTERM (`timeout`, a CI job cancelled) would end the process without its
+        # finally blocks: while the hosts exist it raises instead, so they are deleted.
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, _terminated)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._previous is not None:
+                signal.signal(signal.SIGTERM, self._previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
