@@ -10,8 +10,8 @@ from tests.conftest import host_tensors, settle  # noqa: E402
 from weightpull import InProcessRegistry, Publisher  # noqa: E402
 from weightpull.drivers.fake import FakeTransport  # noqa: E402
 from weightpull.errors import TornReadError  # noqa: E402
-from weightpull.layout import TensorSpec  # noqa: E402
 from weightpull.integrations.vllm.mirrors import BackgroundPulls, checkpoint_weights  # noqa: E402
+from weightpull.layout import TensorSpec  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 

@@ -54,6 +54,7 @@ from weightpull.errors import (
     VersionNotFoundError,
 )
 from weightpull.principals import Role, root
+from weightpull.records import Reservation
 from weightpull.registry_machine import MAX_VERSION_JUMP
 
 pytest.importorskip("zmq")
@@ -374,6 +375,8 @@ class Flooder:
             "retire": self._retire,
             "reclaim": self._reclaim,
             "mark": self._mark,
+            "commit_stream": self._commit_stream,
+            "reserve": self._reserve,
         }
         self.acts |= {  # reads, and acts on leases and reports
             "newest": lambda: self.reg.newest(),
@@ -392,6 +395,7 @@ class Flooder:
             "offer": self._offer,
             "withdraw": self._withdraw,
             "readers_at": lambda: self.reg.readers_at(self.version(), self.name()),
+            "reservations": lambda: self.reg.reservations(),
         }
         assert self.acts.keys() == wire.OPS.keys(), "a flooder sends every operation of the protocol"
 
@@ -507,6 +511,18 @@ class Flooder:
     async def _mark(self) -> None:
         version = self.version()
         await self._on_version(lambda: self.reg.mark(version, self.rng.randrange(4)), version)
+
+    async def _commit_stream(self) -> None:
+        version = self.version()
+        await self._on_version(lambda: self.reg.commit_stream(version), version)
+
+    async def _reserve(self) -> None:
+        """Slots reserved under its own names or another's; a reader's, never."""
+        publisher = self.name()
+        self.mark_hostile(names=(publisher,))
+        self.hostile |= self.me.role is Role.READER
+        sources = tuple(self.rng.randbytes(self.rng.randrange(1, 64)) for _ in range(self.rng.randrange(1, 3)))
+        await self.reg.reserve(Reservation(publisher, "fake", sources, self.rng.randrange(1 << 20)))
 
     async def _on_version(self, call, version: int) -> None:
         self.mark_hostile(version)
