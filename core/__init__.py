@@ -27,6 +27,7 @@ from .errors import (
     NoProducerError,
     NoProgressError,
     NoReadyVersionError,
+    NoSourceError,
     PeerGoneError,
     PermissionDeniedError,
     ProtocolError,
@@ -54,7 +55,7 @@ from .manifest import Manifest
 from .principals import Principal, Role
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
-from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, connect_registry
+from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, RelayingRegistry, connect_registry
 from .sharding import Shard, Sharding
 from .slice_puller import SlicePulled, SlicePuller
 from .slices import RankSlice, plan_slice
@@ -151,4 +152,6 @@ __all__ = [
     "VersionWaitTimeoutError",
     "WeightpullError",
     "WhenFull",
+    "NoSourceError",
+    "RelayingRegistry",
 ]
