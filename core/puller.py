@@ -14,7 +14,7 @@ import logging
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Self, cast
 
 import anyio
@@ -148,6 +148,85 @@ def _default_holder(registry: Registry) -> str:
     if isinstance(principal, Principal) and not principal.is_admin:
         return f"{principal.name}/{suffix}"
     return suffix
+
+
+async def read_under_lease(
+    registry: Registry,
+    lease: Lease,
+    pacer: _Pacer,
+    read_all: Callable[[Callable[[int], None]], Awaitable[None]] | None,
+    *,
+    clock: Clock,
+    holder: str,
+    stall_timeout: float | None,
+    what: str,
+    total: int,
+    source: str = "",
+    copy: str = "copy",
+) -> tuple[Lease, int]:
+    """Run `read_all(note)`, which calls `note(nbytes)` as each read lands, while renewing
+    `lease` when `pacer` says and watching that reads land; then check the lease. What
+    a whole pull and a rank's sliced pull share. Returns the lease as last renewed and
+    the renewals; raises `NoProgressError` when no read landed for `stall_timeout`, and
+    `TornReadError` when the lease lapsed (`what` names the version read, `copy` what
+    was read of it, `source` where from)."""
+    renewals = 0
+    lost: list[BaseException] = []
+    landed, last_landed, stalled = 0, clock.now(), False
+
+    def note(nbytes: int) -> None:
+        nonlocal landed, last_landed
+        landed += nbytes
+        last_landed = clock.now()
+
+    async def renew_loop() -> None:
+        nonlocal lease, renewals
+        while True:
+            await clock.sleep(pacer.due - clock.now())
+            sent = clock.now()
+            try:
+                lease = await registry.renew(lease)
+            except _LEASE_LOST as exc:
+                lost.append(exc)
+                tg.cancel_scope.cancel()
+                return
+            except WeightpullError as exc:  # transient: the final check decides
+                log.warning("%s: renewing lease %s failed: %s", holder, lease.id, exc)
+                pacer.failed(sent)
+                continue
+            renewals += 1
+            pacer.granted(lease, sent, clock.now())
+
+    async def reads(read_all: Callable[[Callable[[int], None]], Awaitable[None]]) -> None:
+        await read_all(note)
+        tg.cancel_scope.cancel()  # every byte landed: stop renewing
+
+    async def watchdog(timeout: float) -> None:
+        nonlocal stalled
+        while (left := last_landed + timeout - clock.now()) > 0:  # a deadline: no float creep
+            await clock.sleep(left)
+        stalled = True
+        tg.cancel_scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            if read_all is not None:
+                tg.start_soon(renew_loop)
+                tg.start_soon(reads, read_all)
+                if stall_timeout is not None:
+                    tg.start_soon(watchdog, stall_timeout)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
+    if stalled and not lost:
+        raise NoProgressError(
+            f"{holder}: no read of {what} landed in {stall_timeout:g} s ({landed} of {total} bytes read){source}"
+        )
+    if lost or not await registry.is_valid(lease):
+        raise TornReadError(
+            f"{holder}: the lease on v{lease.version} lapsed during the read; "
+            f"the {copy} may mix versions and was rejected"
+        ) from (lost[0] if lost else None)
+    return lease, renewals
 
 
 class Puller:
@@ -412,74 +491,29 @@ class Puller:
         reads: list[tuple[Remote, int, int, int]],
         mirror: Region,
     ) -> tuple[Lease, int]:
-        """Make every read (concurrently, as the transport sees fit) while renewing the
-        lease when `pacer` says and watching that reads land; check the lease after."""
-        renewals = 0
-        lost: list[BaseException] = []
-        landed, last_landed, stalled = 0, self.clock.now(), False
+        """Make every read (concurrently, as the transport sees fit) under the lease."""
 
-        def note(nbytes: int) -> None:
-            nonlocal landed, last_landed
-            landed += nbytes
-            last_landed = self.clock.now()
-
-        async def renew_loop() -> None:
-            nonlocal lease, renewals
-            while True:
-                await self.clock.sleep(pacer.due - self.clock.now())
-                sent = self.clock.now()
-                try:
-                    lease = await self.registry.renew(lease)
-                except _LEASE_LOST as exc:
-                    lost.append(exc)
-                    tg.cancel_scope.cancel()
-                    return
-                except WeightpullError as exc:  # transient: the final check decides
-                    log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
-                    pacer.failed(sent)
-                    continue
-                renewals += 1
-                pacer.granted(lease, sent, self.clock.now())
-
-        async def read_all() -> None:
+        async def read_all(note: Callable[[int], None]) -> None:
             async with anyio.create_task_group() as readers:
                 async for batch in self._batches(manifest, reads, note):
                     todo = [(remote, off, mirror, local_off, n) for remote, off, local_off, n in batch]
                     readers.start_soon(self._read_many, todo, note)
             if self.stream:
                 await self._until_ready(manifest)
-            tg.cancel_scope.cancel()  # every byte landed: stop renewing
 
-        async def watchdog(timeout: float) -> None:
-            nonlocal stalled
-            while (left := last_landed + timeout - self.clock.now()) > 0:  # a deadline: no float creep
-                await self.clock.sleep(left)
-            stalled = True
-            tg.cancel_scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                if reads or self.stream:  # else nothing to wait for (every tensor is empty)
-                    tg.start_soon(renew_loop)
-                    tg.start_soon(read_all)
-                    if self.stall_timeout is not None:
-                        tg.start_soon(watchdog, self.stall_timeout)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
-        if stalled and not lost:
-            total = sum(read[3] for read in reads)
-            raise NoProgressError(
-                f"{self.holder}: no read of v{manifest.version} landed in {self.stall_timeout:g} s "
-                f"({landed} of {total} bytes read) from {manifest.publisher!r} over {manifest.transport}; "
-                "is its publisher alive, and serving its transport's progress "
-                "(`async with Publisher(...)`, or `publisher.serve()`)?"
-            )
-        if lost or not await self.registry.is_valid(lease):
-            raise TornReadError(
-                f"{self.holder}: the lease on v{manifest.version} lapsed during the read; "
-                "the copy may mix versions and was rejected"
-            ) from (lost[0] if lost else None)
-        return lease, renewals
+        return await read_under_lease(
+            self.registry,
+            lease,
+            pacer,
+            read_all if reads or self.stream else None,  # else nothing to wait for (every tensor is empty)
+            clock=self.clock,
+            holder=self.holder,
+            stall_timeout=self.stall_timeout,
+            what=f"v{manifest.version}",
+            total=sum(read[3] for read in reads),
+            source=f" from {manifest.publisher!r} over {manifest.transport}; is its publisher alive, and serving "
+            "its transport's progress (`async with Publisher(...)`, or `publisher.serve()`)?",
+        )
 
     async def _batches(
         self, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], note: Callable[[int], None]

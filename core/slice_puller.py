@@ -23,13 +23,11 @@ from .errors import (
     NoProgressError,
     PeerGoneError,
     RegionNotRegisteredError,
-    TornReadError,
     WeightpullError,
-    first_error,
 )
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES
 from .manifest import Manifest
-from .puller import _LEASE_LOST, DEFAULT_STALL_TIMEOUT, _default_holder, _Pacer
+from .puller import DEFAULT_STALL_TIMEOUT, _default_holder, _Pacer, read_under_lease
 from .registry import Lease, Registry
 from .slices import RankSlice, SlicePlan, SliceRead, plan_slice
 from .transport import Read2D, Region, Remote, Transport
@@ -179,32 +177,7 @@ class SlicePuller:
         remotes: list[Remote],
         mirror: Region,
     ) -> tuple[Lease, int]:
-        renewals = 0
-        lost: list[BaseException] = []
-        landed, last_landed, stalled = 0, self.clock.now(), False
-
-        def note(nbytes: int) -> None:
-            nonlocal landed, last_landed
-            landed += nbytes
-            last_landed = self.clock.now()
-
-        async def renew_loop() -> None:
-            nonlocal lease, renewals
-            while True:
-                await self.clock.sleep(pacer.due - self.clock.now())
-                sent = self.clock.now()
-                try:
-                    lease = await self.registry.renew(lease)
-                except _LEASE_LOST as exc:
-                    lost.append(exc)
-                    tg.cancel_scope.cancel()
-                    return
-                except WeightpullError as exc:
-                    log.warning("%s: renewing lease %s failed: %s", self.holder, lease.id, exc)
-                    pacer.failed(sent)
-                    continue
-                renewals += 1
-                pacer.granted(lease, sent, self.clock.now())
+        """Every read of the plan, in batches at once (flat and 2-D), under the lease."""
 
         async def batch(reads: list[SliceRead], done: Callable[[int], None]) -> None:
             flat = [(remotes[r.shard], r.src, mirror, r.dst, r.width) for r in reads if r.height == 1]
@@ -219,39 +192,24 @@ class SlicePuller:
                 await self.transport.read_2d_many(strided)
             done(sum(r.nbytes for r in reads))
 
-        async def read_all() -> None:
+        async def read_all(note: Callable[[int], None]) -> None:
             async with anyio.create_task_group() as readers:
                 for reads in _batches(plan.reads):
                     readers.start_soon(batch, reads, note)
-            tg.cancel_scope.cancel()
 
-        async def watchdog(timeout: float) -> None:
-            nonlocal stalled
-            while (left := last_landed + timeout - self.clock.now()) > 0:
-                await self.clock.sleep(left)
-            stalled = True
-            tg.cancel_scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                if plan.reads:
-                    tg.start_soon(renew_loop)
-                    tg.start_soon(read_all)
-                    if self.stall_timeout is not None:
-                        tg.start_soon(watchdog, self.stall_timeout)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
-        if stalled and not lost:
-            raise NoProgressError(
-                f"{self.holder}: no read of v{manifest.version}'s slice landed in {self.stall_timeout:g} s "
-                f"({landed} of {plan.nbytes} bytes read) over {manifest.transport}"
-            )
-        if lost or not await self.registry.is_valid(lease):
-            raise TornReadError(
-                f"{self.holder}: the lease on v{manifest.version} lapsed during the read; "
-                "the slice may mix versions and was rejected"
-            ) from (lost[0] if lost else None)
-        return lease, renewals
+        return await read_under_lease(
+            self.registry,
+            lease,
+            pacer,
+            read_all if plan.reads else None,
+            clock=self.clock,
+            holder=self.holder,
+            stall_timeout=self.stall_timeout,
+            what=f"v{manifest.version}'s slice",
+            total=plan.nbytes,
+            source=f" over {manifest.transport}",
+            copy="slice",
+        )
 
     def _mirror_for(self, plan: SlicePlan) -> Region:
         """This rank's mirror; a new one only when the plan needs more room. Bytes no read
