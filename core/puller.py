@@ -150,6 +150,35 @@ def _default_holder(registry: Registry) -> str:
     return suffix
 
 
+def check_lease_settings(ttl: float, renew_every: float | None, stall_timeout: float | None) -> float:
+    """What a puller's lease settings must be; the renewal interval (default, and at most,
+    a third of the TTL)."""
+    if ttl <= 0:
+        raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+    if stall_timeout is not None and not stall_timeout > 0:
+        raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
+    every = renew_every or ttl / 3
+    if not 0 < every < ttl:  # else every read longer than the TTL is torn
+        raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
+    return every
+
+
+def check_transport(manifest: Manifest, transport: Transport) -> None:
+    if manifest.transport != transport.name:
+        raise InvalidArgumentError(
+            f"v{manifest.version} was published over {manifest.transport!r}; this puller reads over {transport.name!r}"
+        )
+
+
+async def release_quietly(registry: Registry, lease: Lease, holder: str) -> None:
+    """Release `lease`, even while cancelled; a failure is logged (the lease ends by TTL anyway)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await registry.release(lease)
+        except WeightpullError as exc:
+            log.warning("%s: could not release lease %s: %s", holder, lease.id, exc)
+
+
 async def read_under_lease(
     registry: Registry,
     lease: Lease,
@@ -278,8 +307,7 @@ class Puller:
                 f"digests are verified on host mirrors only, not on {device!r}; "
                 "leave verify_digests unset to skip them there"
             )
-        if ttl <= 0:
-            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
+        self.renew_every = check_lease_settings(ttl, renew_every, stall_timeout)
         if host is not None:
             if not isinstance(registry, RelayingRegistry):
                 raise InvalidArgumentError(f"{type(registry).__name__} hands out no sources (host=)")
@@ -289,15 +317,10 @@ class Puller:
                 raise InvalidArgumentError(
                     f"reading from relays (host=) checks digests on a host mirror; not on {device!r}"
                 )
-        if stall_timeout is not None and not stall_timeout > 0:
-            raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
         self.holder = holder or _default_holder(registry)
         self.ttl = ttl
-        self.renew_every = renew_every or ttl / 3
-        if not 0 < self.renew_every < ttl:  # else every read longer than the TTL is torn
-            raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
         self.device = device
         self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
         self.stall_timeout = stall_timeout
@@ -435,11 +458,7 @@ class Puller:
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self._manifest(lease.version)
-            if manifest.transport != self.transport.name:
-                raise InvalidArgumentError(
-                    f"v{manifest.version} was published over {manifest.transport!r}; "
-                    f"this puller reads over {self.transport.name!r}"
-                )
+            check_transport(manifest, self.transport)
             mirror = self._mirror_for(manifest.layout)
             relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
             reads = self._reads(relayed)
@@ -464,11 +483,7 @@ class Puller:
             self.mirror_version = manifest.version
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.registry.release(lease)
-                except WeightpullError as exc:  # the lease ends by TTL anyway
-                    log.warning("%s: could not release lease %s: %s", self.holder, lease.id, exc)
+            await release_quietly(self.registry, lease, self.holder)
 
     def _reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
         """(remote, its offset, the mirror's offset, bytes) of each read a pull makes:

@@ -19,15 +19,21 @@ import attrs
 from . import transports
 from .clock import Clock, MonotonicClock
 from .errors import (
-    InvalidArgumentError,
     NoProgressError,
     PeerGoneError,
     RegionNotRegisteredError,
-    WeightpullError,
 )
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES
 from .manifest import Manifest
-from .puller import DEFAULT_STALL_TIMEOUT, _default_holder, _Pacer, read_under_lease
+from .puller import (
+    DEFAULT_STALL_TIMEOUT,
+    _default_holder,
+    _Pacer,
+    check_lease_settings,
+    check_transport,
+    read_under_lease,
+    release_quietly,
+)
 from .registry import Lease, Registry
 from .slices import RankSlice, SlicePlan, SliceRead, plan_slice
 from .transport import Read2D, Region, Remote, Transport
@@ -95,18 +101,12 @@ class SlicePuller:
         mirror on `device` packed by (`bucket_bytes`, `align`). The lease, renewal and
         stall rules are the `Puller`'s. Versions carry no digests for slices (a sharded
         version records none), so none are checked."""
-        if ttl <= 0:
-            raise InvalidArgumentError(f"ttl must be positive, got {ttl!r}")
-        if stall_timeout is not None and not stall_timeout > 0:
-            raise InvalidArgumentError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
+        self.renew_every = check_lease_settings(ttl, renew_every, stall_timeout)
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
         self.rank_slice = rank_slice
         self.holder = holder or _default_holder(registry)
         self.ttl = ttl
-        self.renew_every = renew_every or ttl / 3
-        if not 0 < self.renew_every < ttl:
-            raise InvalidArgumentError(f"renew_every must be in (0, ttl={ttl}), got {renew_every!r}")
         self.device = device
         self.stall_timeout = stall_timeout
         self.bucket_bytes, self.align = bucket_bytes, align
@@ -134,11 +134,7 @@ class SlicePuller:
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self.registry.get(lease.version)
-            if manifest.transport != self.transport.name:
-                raise InvalidArgumentError(
-                    f"v{manifest.version} was published over {manifest.transport!r}; "
-                    f"this puller reads over {self.transport.name!r}"
-                )
+            check_transport(manifest, self.transport)
             plan = self._plan(manifest)
             mirror = self._mirror_for(plan)
             remotes = [self._remote(s) for s in plan.sources]
@@ -151,11 +147,7 @@ class SlicePuller:
             self.mirror_version = manifest.version
             return SlicePulled(manifest.version, manifest, plan, mirror, self.clock.now() - started, renewals)
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self.registry.release(lease)
-                except WeightpullError as exc:
-                    log.warning("%s: could not release lease %s: %s", self.holder, lease.id, exc)
+            await release_quietly(self.registry, lease, self.holder)
 
     def _plan(self, manifest: Manifest) -> SlicePlan:
         """Plans depend on the layout and the shards' rows only: made once per version."""
