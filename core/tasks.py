@@ -3,9 +3,26 @@ transport, a served registry's heartbeat): the block's own exception comes out a
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
+import anyio
 from anyio.abc import TaskGroup
+
+from .errors import first_error
+
+T = TypeVar("T")
+
+
+async def each_at_once(run: Callable[[T], Coroutine[Any, Any, Any]], items: Iterable[T]) -> None:
+    """`run(item)` for every item, concurrently; the first failure is raised as itself
+    (the rest are cancelled), not wrapped in a task group's exception group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for item in items:
+                tg.start_soon(run, item)
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None
 
 
 async def close_owned(tasks: TaskGroup, exc_info: tuple[Any, ...]) -> bool | None:

@@ -29,8 +29,8 @@ from weightpull.errors import (
     PeerGoneError,
     RegionNotRegisteredError,
     TransportError,
-    first_error,
 )
+from weightpull.tasks import each_at_once
 from weightpull.transport import Read2D, Region, Remote, Transport, check_2d, check_span, span_2d, writable_bytes
 
 _fabrics: weakref.WeakValueDictionary[str, FakeFabric] = weakref.WeakValueDictionary()
@@ -202,12 +202,7 @@ class FakeTransport(Transport):
 
             await self._injector.read(self.faults, width * height, copy, None)
 
-        try:
-            async with anyio.create_task_group() as tg:
-                for read in reads:
-                    tg.start_soon(one, read)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+        await each_at_once(one, reads)
 
     async def _copy(self, src: memoryview, dst: memoryview) -> None:
         """Copy in chunks, yielding between them, so reads stay cancellable."""

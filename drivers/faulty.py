@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import anyio
 import attrs
 
 from weightpull.clock import Clock, MonotonicClock
-from weightpull.errors import TransportError, first_error
+from weightpull.errors import TransportError
+from weightpull.tasks import each_at_once
 from weightpull.transport import Read2D, Region, Remote, Transport, WrappedTransport, check_2d
 
 CHUNK = 16 << 20  # a capped link paces (and can be cancelled) chunk by chunk
@@ -163,12 +163,7 @@ class FaultyTransport(WrappedTransport):
 
             await self._injector.read(self.faults, width * height, copy, None)
 
-        try:
-            async with anyio.create_task_group() as tg:
-                for read in reads:
-                    tg.start_soon(one, read)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+        await each_at_once(one, reads)
 
     def __repr__(self) -> str:
         return f"FaultyTransport({self.inner!r}, {self.faults!r})"

@@ -38,8 +38,8 @@ from weightpull.errors import (
     RegionNotRegisteredError,
     TransportError,
     WeightpullError,
-    first_error,
 )
+from weightpull.tasks import each_at_once
 from weightpull.transport import (
     Read2D,
     Region,
@@ -337,12 +337,7 @@ class NixlTransport(RegionTable, Transport):
                 raise PeerGoneError(f"{what}: the agent has disconnected")
             if width and height:
                 posts.append((peer, reg, (r_off, r_pitch, l_off, l_pitch, width, height), what))
-        try:
-            async with anyio.create_task_group() as tg:
-                for post in posts:
-                    tg.start_soon(self._post, *post)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+        await each_at_once(lambda post: self._post(*post), posts)
 
     async def _post(
         self, peer: _Peer, reg: _Registration, rows: tuple[int, int, int, int, int, int], what: str
