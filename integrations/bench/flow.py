@@ -168,11 +168,6 @@ def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], dev
     sync(device)
 
 
-def _ratio_first(first: float, steady: list[float]) -> float | None:
-    middle = sorted(steady)[len(steady) // 2] if steady else 0.0
-    return round(first / middle, 2) if middle > 0 else None
-
-
 async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[str], None]) -> dict[str, Any]:
     """Every version published, pulled and applied; medians of the measured versions.
     `tick` marks a version done, `note` says what runs now (so a stall shows where)."""
@@ -274,6 +269,7 @@ async def _run_flow(
     def col(key: str) -> list[float]:
         return [r[key] for r in measured]
 
+    steady_ms = median_ms(col("serving_s"))
     return {
         "transport": setup.transport,
         "stream": setup.stream,
@@ -288,11 +284,11 @@ async def _run_flow(
         "raw": raw.name,
         "to_device_gbps": gbps(nbytes, h2d) if h2d else None,
         "apply_pause_ms": median_ms(col("apply_s")),
-        "publish_to_serving_ms": median_ms(col("serving_s")),
+        "publish_to_serving_ms": steady_ms,
         "announce_ms": median_ms(col("announce_s")),
         # The very first version: the slots and the mirror were reserved and mapped ahead.
         "first_publish_to_serving_s": round(rows[0]["serving_s"], 3),
-        "first_to_steady": _ratio_first(rows[0]["serving_s"], col("serving_s")),
+        "first_to_steady": round(rows[0]["serving_s"] * 1e3 / steady_ms, 2) if steady_ms > 0 else None,
         "per_version_ms": [{k.removesuffix("_s"): round(v * 1e3, 2) for k, v in r.items()} for r in rows],
         "byte_exact": exact,
     }
