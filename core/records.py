@@ -53,6 +53,9 @@ class Progress(schema.Record):
     committed: int
     buckets: int
     reason: str = ""
+    # "" for the version itself; else the relay whose copy this is: its `committed` is the
+    # buckets the relay holds, and it is READY only once it holds every one of a READY version.
+    source: str = ""
 
 
 @attrs.frozen
@@ -76,6 +79,20 @@ class LeaseInfo(schema.Record):
 
 
 @attrs.frozen
+class OfferInfo(schema.Record):
+    """A relay's offer of a version: of its `buckets`, the first `landed` are in the
+    relay's mirror; `leases` read from it now, at most `cap` at once (None: no cap)."""
+
+    version: int
+    holder: str
+    host: str
+    landed: int
+    buckets: int
+    leases: int
+    cap: int | None = None
+
+
+@attrs.frozen
 class RegistryStatus(schema.Record):
     newest_ready: int | None
     versions: tuple[VersionInfo, ...]
@@ -84,13 +101,21 @@ class RegistryStatus(schema.Record):
     # principal name -> seconds its liveness has left (<= 0: lapsed); empty when the
     # registry judges no liveness (an embedded one)
     alive: Mapping[str, float] = attrs.Factory(dict)
+    offers: tuple[OfferInfo, ...] = ()  # relays' offers, by version then holder
 
 
-# `alive` is sent only when the registry judges liveness, and `committed` only for a
-# streaming version: a status without them reads as ever.
+# `alive` is sent only when the registry judges liveness, `offers` only when a relay
+# offers, `committed` only for a streaming version and a progress's `source` only for a
+# relay's copy: records without them read as ever.
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is RegistryStatus,
-    lambda t: make_dict_unstructure_fn(t, schema.converter, alive=override(omit_if_default=True)),
+    lambda t: make_dict_unstructure_fn(
+        t, schema.converter, alive=override(omit_if_default=True), offers=override(omit_if_default=True)
+    ),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is Progress,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, source=override(omit_if_default=True)),
 )
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is Lease,

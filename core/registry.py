@@ -116,7 +116,12 @@ class RelayingRegistry(Protocol):
     """A registry that hands readers a source of each version (every registry of
     weightpull's own does): a replica holding a READY version `offer`s its mirror; a
     reader's `acquire(..., host=...)` is placed at the source the registry picks (the
-    lease names it); a relay keeps its mirror while `readers_at` it is above 0."""
+    lease names it); a relay keeps its mirror while `readers_at` it is above 0.
+
+    A relay may offer a version it is still receiving (`offer(..., landed=k)`, a STREAMING
+    version too) and `mark_offer` each new count of buckets its mirror holds; a streaming
+    reader placed there waits for them with `wait_for_buckets(..., source=lease.source)`,
+    which raises `NoSourceError` once that relay offers it no longer."""
 
     async def acquire(
         self,
@@ -129,10 +134,21 @@ class RelayingRegistry(Protocol):
         exclude: Iterable[str] = (),
     ) -> Lease: ...
     async def offer(
-        self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None
+        self,
+        version: int,
+        *,
+        holder: str,
+        host: str,
+        descriptor: bytes,
+        cap: int | None = None,
+        landed: int | None = None,
     ) -> None: ...
+    async def mark_offer(self, version: int, landed: int, *, holder: str) -> None: ...
     async def withdraw(self, version: int, *, holder: str) -> None: ...
     async def readers_at(self, version: int, holder: str) -> int: ...
+    async def wait_for_buckets(
+        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+    ) -> Progress: ...
 
 
 def as_streaming(registry: Registry) -> StreamingRegistry:
@@ -217,8 +233,22 @@ class InProcessRegistry:
             version, ttl=ttl, holder=holder, by=self.principal, streaming=streaming, host=host, exclude=exclude
         )
 
-    async def offer(self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None) -> None:
-        self.machine.offer(version, holder=holder, host=host, descriptor=descriptor, cap=cap, by=self.principal)
+    async def offer(
+        self,
+        version: int,
+        *,
+        holder: str,
+        host: str,
+        descriptor: bytes,
+        cap: int | None = None,
+        landed: int | None = None,
+    ) -> None:
+        self.machine.offer(
+            version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed, by=self.principal
+        )
+
+    async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
+        self.machine.mark_offer(version, landed, holder=holder, by=self.principal)
 
     async def withdraw(self, version: int, *, holder: str) -> None:
         self.machine.withdraw(version, holder=holder, by=self.principal)
@@ -235,8 +265,8 @@ class InProcessRegistry:
     async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
         self.machine.commit_stream(version, digests, by=self.principal)
 
-    async def progress(self, version: int) -> Progress:
-        return self.machine.progress(version, by=self.principal)
+    async def progress(self, version: int, *, source: str | None = None) -> Progress:
+        return self.machine.progress(version, source=source, by=self.principal)
 
     async def reserve(self, reservation: Reservation) -> None:
         self.machine.reserve(reservation, by=self.principal)
@@ -244,14 +274,18 @@ class InProcessRegistry:
     async def reservations(self) -> tuple[Reservation, ...]:
         return self.machine.reservations(by=self.principal)
 
-    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
+    async def wait_for_buckets(
+        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+    ) -> Progress:
         """The version's progress once `at_least` of its buckets may be read (or it is
         READY); `VersionStateError` naming the reason if it ended otherwise, or was never
-        streamed; `VersionWaitTimeoutError` after `timeout`."""
+        streamed; `VersionWaitTimeoutError` after `timeout`. With `source` (a relay's
+        name), of that relay's copy (`RegistryMachine.progress`): woken by its marks, and
+        `NoSourceError` once it offers the version no longer."""
         check_int("at_least", at_least)
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
-            progress = self.machine.progress(version, by=self.principal)
+            progress = self.machine.progress(version, source=source, by=self.principal)
             if progress.committed >= at_least or progress.state in (VersionState.READY, VersionState.RETIRED):
                 return progress
             if not progress.state.being_written:

@@ -41,6 +41,7 @@ from .errors import (
     LeaseExpiredError,
     LeaseNotFoundError,
     NoReadyVersionError,
+    NoSourceError,
     PermissionDeniedError,
     VersionInUseError,
     VersionNotFoundError,
@@ -49,8 +50,8 @@ from .errors import (
 )
 from .manifest import Manifest
 from .principals import ADMIN, Principal, Role, root
-from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
-from .relays import Offer, RelayBook
+from .records import Lease, LeaseInfo, OfferInfo, Progress, RegistryStatus, Reservation, VersionInfo
+from .relays import ORIGIN, Offer, RelayBook
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
 from .sources import Reader
@@ -314,8 +315,12 @@ class RegistryMachine:
         record.committed = committed
         self._changed()
 
-    def progress(self, version: int, *, by: Principal = ADMIN) -> Progress:
-        """How many of the version's buckets may be read now."""
+    def progress(self, version: int, *, source: str | None = None, by: Principal = ADMIN) -> Progress:
+        """How many of the version's buckets may be read now. With `source` (a lease's:
+        a relay's holder name), how many may be read from that relay's mirror: the
+        buckets it holds, READY only once it holds every one of a READY version.
+        `NoSourceError` when that relay offers the version no longer (withdrawn, its
+        liveness lapsed): its readers must read it afresh elsewhere."""
         self._enter(by, "progress")
         record = self._record(version)
         total = len(record.manifest.layout.buckets) if record.manifest is not None else 0
@@ -325,11 +330,21 @@ class RegistryMachine:
             committed = record.committed
         else:
             committed = 0
-        return Progress(version, record.state, committed, total, record.reason)
+        relayed = (VersionState.STREAMING, VersionState.READY, VersionState.RETIRED)
+        if not source or source == ORIGIN or record.state not in relayed:
+            return Progress(version, record.state, committed, total, record.reason)  # an ended stream: the reason
+        offer = self.relays.offer_of(version, check_name("source", source))
+        if offer is None:
+            raise NoSourceError(f"relay {source!r} offers v{version} no longer (withdrawn, or its liveness lapsed)")
+        landed = min(committed, total if offer.landed is None else offer.landed)
+        state = record.state if landed == total else VersionState.STREAMING  # the relay's copy is still coming
+        return Progress(version, state, landed, total, record.reason, source=source)
 
     def _announce(self, record: _Version, manifest: Manifest) -> None:
         self._move(record, VersionEvent.COMMIT)
         record.manifest = manifest
+        if manifest.digests is None and self.relays.drop_offers(record.version):
+            log.warning("v%s was committed without digests: its relays' offers end", record.version)
         self._highest_announced = manifest.version
         previous, self._newest_ready = self._newest_ready, manifest.version
         if previous is not None and self._versions[previous].state is VersionState.READY:
@@ -473,6 +488,8 @@ class RegistryMachine:
             if isinstance(exclude, str):
                 raise InvalidArgumentError(f"exclude is a collection of source names, not the string {exclude!r}")
             self._sync_relays()
+            if not streaming:  # a reader that reads every bucket at once: relays holding it whole only
+                exclude = (*exclude, *(o.holder for o in self.relays.offers(version) if not self._whole(o, record)))
             offer = self.relays.place(lease.id, version, Reader(holder, host), exclude=tuple(exclude))
             if offer is not None:
                 lease.source, lease.descriptor = offer.holder, offer.descriptor
@@ -518,26 +535,76 @@ class RegistryMachine:
         host: str,
         descriptor: bytes,
         cap: int | None = None,
+        landed: int | None = None,
         by: Principal = ADMIN,
     ) -> None:
         """A replica that holds READY `version` whole in a mirror offers to serve it from
         there, as `holder` (a name of its own) on `host`, at most `cap` readers at once.
         Its readers check every bucket against the publisher's digests, so a version
         without digests cannot be offered. The offer lasts until withdrawn, the version
-        is reclaimed, or the offering principal's liveness lapses."""
+        is reclaimed or aborted, or the offering principal's liveness lapses.
+
+        With `landed`, the mirror holds only the version's first `landed` buckets so far
+        (it is still receiving them): the version may be STREAMING too, and the relay
+        advances the count with `mark_offer`. Streaming readers placed there read each
+        bucket once the relay holds it; a stream committed without digests ends its offers."""
         self._enter(by, "offer")
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "offer", f"v{version} as {holder!r}", "a principal offers only under its own names")
         record = self._record(version)
-        if record.state is not VersionState.READY or record.manifest is None:
-            raise VersionStateError(f"version {version} is {record.state}: only a READY version may be relayed")
+        relayable = (VersionState.READY,) if landed is None else (VersionState.READY, VersionState.STREAMING)
+        if record.state not in relayable or record.manifest is None:
+            whole = "only a READY version" if landed is None else "only a READY or STREAMING version"
+            raise VersionStateError(f"version {version} is {record.state}: {whole} may be relayed")
         if record.manifest.sharded:
             raise InvalidArgumentError(f"v{version} is sharded: a relay serves whole versions only")
-        check_servable(version, record.manifest.digests, len(record.manifest.layout.buckets))
+        if record.state is VersionState.READY:  # a stream's digests come with its commit
+            check_servable(version, record.manifest.digests, len(record.manifest.layout.buckets))
+        before = self.relays.offer_of(version, holder)
+        if landed is not None:
+            self._check_landed(record, holder, landed, before)
         self._sync_relays()
         hops = self.relays.hops_of(version, holder)
-        self.relays.offer(Offer(version, holder, host, descriptor, cap, hops))
+        self.relays.offer(Offer(version, holder, host, descriptor, cap, hops, landed))
+        self._changed()
+
+    def mark_offer(self, version: int, landed: int, *, holder: str, by: Principal = ADMIN) -> None:
+        """`holder`'s mirror now holds the first `landed` buckets of `version`, which it
+        offered while receiving it: its readers may read them. The count only grows, and
+        never past the buckets the version's publisher committed."""
+        self._enter(by, "mark_offer")
+        check_name("holder", holder)
+        if not by.owns(holder):
+            self._refuse(by, "mark_offer", f"v{version} as {holder!r}", "a principal marks only its own offers")
+        record = self._record(version)
+        offer = self.relays.offer_of(version, holder)
+        if offer is None:
+            why = f" ({record.reason})" if record.reason else ""
+            raise VersionStateError(
+                f"{holder!r} offers no v{version} (v{version} is {record.state}{why}): offer it before marking"
+            )
+        self._check_landed(record, holder, landed, offer)
+        self.relays.mark(version, holder, landed)
+        self._changed()
+
+    def _check_landed(self, record: _Version, holder: str, landed: object, before: Offer | None) -> None:
+        """A relay's count of buckets held: within what the publisher committed, and no
+        fewer than it said before."""
+        check_int("landed", landed)
+        assert isinstance(landed, int) and record.manifest is not None
+        total = len(record.manifest.layout.buckets)
+        committed = record.committed if record.state is VersionState.STREAMING else total
+        floor = 0 if before is None else total if before.landed is None else before.landed
+        if not floor <= landed <= committed:
+            raise InvalidArgumentError(
+                f"{holder!r}: {landed} buckets of v{record.version} landed is not between the {floor} it said "
+                f"before and the {committed} its publisher committed (of {total})"
+            )
+
+    def _whole(self, offer: Offer, record: _Version) -> bool:
+        total = len(record.manifest.layout.buckets) if record.manifest is not None else 0
+        return offer.landed is None or (offer.landed == total and record.state is not VersionState.STREAMING)
 
     def withdraw(self, version: int, *, holder: str, by: Principal = ADMIN) -> None:
         """End an offer (idempotent). Leases placed at it read on until they end: the
@@ -546,7 +613,8 @@ class RegistryMachine:
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "withdraw", f"v{version} as {holder!r}", "a principal withdraws only its own offers")
-        self.relays.withdraw(check_int("version", version), holder)
+        if self.relays.withdraw(check_int("version", version), holder) is not None:
+            self._changed()  # its streaming readers are told now
 
     def readers_at(self, version: int, holder: str, *, by: Principal = ADMIN) -> int:
         """Live leases reading `version` from `holder`'s mirror: while above 0, the relay
@@ -632,7 +700,15 @@ class RegistryMachine:
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
         serving = dict(self._serving)
         alive = {name: expires - now for name, expires in sorted(self._alive.items())}
-        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), serving, alive)
+        self._sync_relays()
+        offers = []
+        for record in sorted(self._versions.values(), key=lambda r: r.version):
+            total = len(record.manifest.layout.buckets) if record.manifest is not None else 0
+            for o in sorted(self.relays.offers(record.version), key=lambda o: o.holder):
+                landed = total if o.landed is None else o.landed
+                leases_at = self.relays.leases_at(record.version, o.holder)
+                offers.append(OfferInfo(record.version, o.holder, o.host, landed, total, leases_at, o.cap))
+        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), serving, alive, tuple(offers))
 
     # -- authority -----------------------------------------------------------------------
 
@@ -724,7 +800,8 @@ class RegistryMachine:
             if expires > now or name in self._lapsed:
                 continue
             self._lapsed.add(name)
-            self.relays.lapse(name)  # its mirrors are gone with it: readers there choose again
+            if self.relays.lapse(name):  # its mirrors are gone with it: readers there choose again
+                ended = True
             for replica in [r for r in self._serving if root(r) == name]:  # it serves nothing now
                 del self._serving[replica]
             for publisher in [p for p in self._reservations if root(p) == name]:  # its slots are gone
@@ -765,6 +842,8 @@ class RegistryMachine:
 
     def _move(self, record: _Version, event: VersionEvent) -> None:
         record.state = VERSION.fire(record.state, event, f"v{record.version}")
+        if event is VersionEvent.ABORT:  # a stream that ends unfinished: relays of it have nothing to serve
+            self.relays.drop_offers(record.version)
 
     def _drop(self, record: _Version) -> None:
         self._move(record, VersionEvent.RECLAIM)

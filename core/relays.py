@@ -37,6 +37,9 @@ class Offer:
     descriptor: bytes
     cap: int | None = None
     hops: int = 1  # how far from the origin its own copy came (its source's hops + 1)
+    # Of a version the relay still receives: how many of its first buckets the mirror
+    # holds (it forwards them as they land); None: it holds the version whole.
+    landed: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0:
@@ -47,6 +50,10 @@ class Offer:
             raise InvalidArgumentError("an offer needs its mirror's descriptor (non-empty bytes)")
         if not isinstance(self.hops, int) or self.hops < 1:
             raise InvalidArgumentError(f"a relay is at least one hop from the origin, got {self.hops!r}")
+        if self.landed is not None and (
+            not isinstance(self.landed, int) or isinstance(self.landed, bool) or self.landed < 0
+        ):
+            raise InvalidArgumentError(f"an offer's landed buckets must be a non-negative int, got {self.landed!r}")
         Source(self.holder, self.host, cap=self.cap, hops=self.hops)  # the same checks as a source's
 
 
@@ -87,6 +94,23 @@ class RelayBook:
         if not offers:
             self._offers.pop(version, None)
         return gone
+
+    def mark(self, version: int, holder: str, landed: int) -> Offer:
+        """The relay's mirror now holds the first `landed` buckets of `version` (the
+        registry checks the count against the version's)."""
+        offer = self.offer_of(version, holder)
+        if offer is None:
+            raise InvalidArgumentError(f"{holder!r} offers no v{version}: offer it first")
+        marked = self._offers[version][holder] = attrs.evolve(offer, landed=landed)
+        return marked
+
+    def offer_of(self, version: int, holder: str) -> Offer | None:
+        return self._offers.get(version, {}).get(holder)
+
+    def drop_offers(self, version: int) -> list[Offer]:
+        """End every offer of `version` (its stream ended unfinished, or it cannot be
+        verified); leases placed at them read on until they end, as after a withdraw."""
+        return list(self._offers.pop(version, {}).values())
 
     def lapse(self, principal: str) -> list[Offer]:
         """Every offer of a principal whose liveness lapsed, ended: its mirror is gone with

@@ -169,6 +169,7 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "commit_stream",
         "reserve",
         "offer",
+        "mark_offer",
         "withdraw",
     }
 

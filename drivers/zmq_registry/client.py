@@ -270,10 +270,22 @@ class ZmqRegistry:
 
     # -- relays ----------------------------------------------------------------------------
 
-    async def offer(self, version: int, *, holder: str, host: str, descriptor: bytes, cap: int | None = None) -> None:
-        extra = {} if cap is None else {"cap": cap}
+    async def offer(
+        self,
+        version: int,
+        *,
+        holder: str,
+        host: str,
+        descriptor: bytes,
+        cap: int | None = None,
+        landed: int | None = None,
+    ) -> None:
+        extra = {k: v for k, v in (("cap", cap), ("landed", landed)) if v is not None}  # older servers: as ever
         text = base64.b64encode(descriptor).decode()
         await self._call("offer", version=version, holder=holder, host=host, descriptor=text, **extra)
+
+    async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
+        await self._call("mark_offer", version=version, landed=landed, holder=holder)
 
     async def withdraw(self, version: int, *, holder: str) -> None:
         await self._call("withdraw", version=version, holder=holder)
@@ -322,8 +334,9 @@ class ZmqRegistry:
     async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
         await self._call("commit_stream", version=version, **({} if digests is None else {"digests": list(digests)}))
 
-    async def progress(self, version: int) -> Progress:
-        return Progress.from_dict(await self._call("progress", version=version))
+    async def progress(self, version: int, *, source: str | None = None) -> Progress:
+        extra = {} if not source else {"source": source}
+        return Progress.from_dict(await self._call("progress", version=version, **extra))
 
     async def reserve(self, reservation: Reservation) -> None:
         await self._call("reserve", reservation=reservation.to_dict())
@@ -334,8 +347,11 @@ class ZmqRegistry:
             raise ProtocolError(f"reservations: expected a list, got {type(found).__name__}")
         return tuple(Reservation.from_dict(r) for r in found)
 
-    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress:
-        data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least)
+    async def wait_for_buckets(
+        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+    ) -> Progress:
+        extra = {} if not source else {"source": source}
+        data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least, **extra)
         return Progress.from_dict(data)
 
     # -- replicas and status -------------------------------------------------------------

@@ -432,8 +432,16 @@ class RegistryServer:
             case "offer":
                 descriptor = _unbase64(a["descriptor"])
                 return m.offer(
-                    a["version"], holder=a["holder"], host=a["host"], descriptor=descriptor, cap=a.get("cap"), by=by
+                    a["version"],
+                    holder=a["holder"],
+                    host=a["host"],
+                    descriptor=descriptor,
+                    cap=a.get("cap"),
+                    landed=a.get("landed"),
+                    by=by,
                 )
+            case "mark_offer":
+                return m.mark_offer(a["version"], a["landed"], holder=a["holder"], by=by)
             case "withdraw":
                 return m.withdraw(a["version"], holder=a["holder"], by=by)
             case "readers_at":
@@ -445,7 +453,7 @@ class RegistryServer:
             case "commit_stream":
                 return m.commit_stream(a["version"], a.get("digests"), by=by)
             case "progress":
-                return m.progress(a["version"], by=by).to_dict()
+                return m.progress(a["version"], source=a.get("source"), by=by).to_dict()
             case "reserve":
                 return m.reserve(Reservation.from_dict(a["reservation"]), by=by)
             case "reservations":
@@ -470,7 +478,8 @@ class RegistryServer:
     async def _wait_for_buckets(self, a: dict[str, Any], by: Principal) -> Any:
         self.machine.keepalive((), by=by)
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        return (await self.registry.wait_for_buckets(a["version"], a["at_least"], timeout)).to_dict()
+        waited = self.registry.wait_for_buckets(a["version"], a["at_least"], timeout, source=a.get("source"))
+        return (await waited).to_dict()
 
 
 _WAITS = ("wait_for_version", "wait_for_buckets")  # answered from a task of their own
