@@ -5,7 +5,11 @@ The trainer (a `Publisher` over NIXL) runs in host 0's namespace; each replica (
 TCP (`UCX_TLS=tcp`), so every byte a replica reads crosses the trainer's link and its own.
 The replicas start, make their NIXL agents, then are told to go at once; the time until
 N serve is from that moment until the last one's pull ended (the pull alone: leasing,
-every bucket, the lease check). Each copy is then checked byte for byte, off the clock.
+every bucket, the lease check). Each copy is then checked byte for byte, once every
+replica ended (a check while others still read would take their CPU). Each process also
+says its CPU seconds (user and system, every thread) from going until the last replica
+ended, and the bench reads the machine's busy CPU seconds (/proc/stat) over the same
+time: on a machine of few cores the processes contend for them.
 
 Each process is this module run with `python -m` inside its namespace, spoken to by JSON
 lines on its stdin and stdout. A replica hands its manifest to a registry of its own in
@@ -68,10 +72,44 @@ async def _trainer(cfg: dict[str, Any]) -> None:
     _say(ready=result.manifest.to_dict(), digest=digest(data))
     async with anyio.create_task_group() as tg:
         tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
-        await anyio.to_thread.run_sync(sys.stdin.readline)  # until told to stop (or stdin closes)
+        while line := await anyio.to_thread.run_sync(sys.stdin.readline):  # until told to stop (or stdin closes)
+            if not json.loads(line).get("cpu"):
+                break
+            _say(cpu=time.process_time())  # the bench takes the difference around each run
         tg.cancel_scope.cancel()
     await publisher.aclose()
     await publisher.transport.aclose()
+
+
+def verify_cpu(mirror: Any, manifest: Any) -> float:
+    """CPU seconds to check every bucket of `mirror` against the publisher's digests, as a
+    reader from a relay does (measured off the clock, to calibrate the model); 0 without."""
+    from weightpull.digests import matches
+
+    if manifest.digests is None:
+        return 0.0
+    view = mirror.host_view()
+    start = time.process_time()
+    for b, want in zip(manifest.layout.buckets, manifest.digests, strict=True):
+        if not matches(view[b.offset : b.offset + b.nbytes], want):
+            raise RuntimeError(f"bucket {b.index} does not match its digest")
+    return time.process_time() - start
+
+
+def busy_cpu_s() -> tuple[float, float]:
+    """The machine's busy and all CPU-seconds since boot, from /proc/stat (every core):
+    busy is all but idle and iowait."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    total = sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    idle = ticks[3] + ticks[4]
+    return (total - idle) / hz, total / hz
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 class _Landing(WrappedTransport):
@@ -126,6 +164,7 @@ async def _replica(cfg: dict[str, Any]) -> None:
     puller.mirror = transport.allocate(manifest.layout.total_bytes)  # made ahead: relays export it
     _say(ready=True, descriptor=base64.b64encode(transport.export(puller.mirror)).decode())
     go = json.loads(await anyio.to_thread.run_sync(sys.stdin.readline))
+    cpu0 = time.process_time()  # every thread of this process, user and system
     await registry.begin(manifest.version, publisher=manifest.publisher, slot=manifest.slot)
     if go.get("source") is None:  # the trainer's slot, whole
         await registry.commit(manifest)
@@ -137,9 +176,9 @@ async def _replica(cfg: dict[str, Any]) -> None:
 
     async def pull() -> None:
         start = time.time()
-        pulled = await puller.pull()
+        await puller.pull()
         end = time.time()
-        _say(start=start, end=end, digest=digest(pulled.region.host_view()[: manifest.nbytes]))
+        _say(start=start, end=end, cpu_s=time.process_time() - cpu0)  # the copy is checked once all ended
 
     async def listen() -> None:
         while line := await anyio.to_thread.run_sync(sys.stdin.readline):
@@ -148,6 +187,12 @@ async def _replica(cfg: dict[str, Any]) -> None:
                 await registry.mark(manifest.version, message["mark"])
                 if message["mark"] == buckets:  # whole: READY, with the publisher's digests to check
                     await registry.commit(attrs.evolve(source, digests=manifest.digests))
+            if message.get("cpu"):  # the run is over: this process's CPU since go, then the checks
+                said: dict[str, Any] = {"cpu": time.process_time() - cpu0}
+                if message.get("verify"):
+                    said["verify_cpu_s"] = verify_cpu(puller.mirror, manifest)
+                said["digest"] = digest(puller.mirror.host_view()[: manifest.nbytes])
+                _say(**said)
             if message.get("stop"):
                 break
         tg.cancel_scope.cancel()
@@ -226,12 +271,26 @@ class _Proc:
             self.proc.wait(5)
 
 
+@attrs.frozen
+class _Ran:
+    ends: list[dict[str, Any]]  # each replica's "end": its pull's start, end and CPU
+    digests: list[str]  # each replica's copy, taken once all ended
+    go: float
+    hops: int
+    trainer_cpu_s: float  # from go until the last replica's end
+    replica_cpu_s: list[float]  # each, from its go until the last end
+    verify_cpu_s: float | None  # the first replica's check of its copy, off the clock
+    busy_cpu_s: float  # the machine's (every process's, not only the bench's)
+    wall_s: float
+
+
 def _one_run(
-    procs: list[_Proc], trainer: dict[str, Any], relays: bool, cap: int | None, timeout: float
-) -> tuple[list[dict[str, Any]], float, int]:
+    procs: list[_Proc], trainer: _Proc, relays: bool, cap: int | None, timeout: float, *, verify: bool = False
+) -> _Ran:
     """Tell every replica to go, handing each a source by the registry's policy as sources
     offer themselves (a relay once it holds its first bucket), and pass each relay's
-    progress on to its readers. The ends, the moment of going, and the most hops."""
+    progress on to its readers. Around it, the CPU seconds each process and the machine
+    spent. `verify`: the first replica also measures its digest check."""
     import selectors
     from collections import deque
 
@@ -263,6 +322,9 @@ def _one_run(
                 readers[index[chosen.name]].append(i)
                 procs[i].send(source=ready[index[chosen.name]]["descriptor"])
 
+    trainer.send(cpu=True)
+    trainer_cpu = trainer.expect("cpu")["cpu"]
+    busy, total = busy_cpu_s()
     go = time.time()
     hand_out()
     ends: dict[int, dict[str, Any]] = {}
@@ -290,9 +352,26 @@ def _one_run(
                         was = offered[parent[i]]  # its lease ends: its source has room again
                         offered[parent[i]] = attrs.evolve(was, leases=was.leases - 1)
                         hand_out()
+    busy_end, total_end = busy_cpu_s()
+    wall = time.time() - go
+    trainer.send(cpu=True)
+    trainer_cpu = trainer.expect("cpu")["cpu"] - trainer_cpu
+    for i, p in enumerate(procs):
+        p.send(cpu=True, verify=verify and i == 0)
+    cpus = [p.expect("cpu") for p in procs]
     for p in procs:
         p.send(stop=True)
-    return [ends[i] for i in range(len(procs))], go, max(hops.values())
+    return _Ran(
+        ends=[ends[i] for i in range(len(procs))],
+        digests=[c["digest"] for c in cpus],
+        go=go,
+        hops=max(hops.values()),
+        trainer_cpu_s=trainer_cpu,
+        replica_cpu_s=[c["cpu"] for c in cpus],
+        verify_cpu_s=cpus[0].get("verify_cpu_s"),
+        busy_cpu_s=busy_end - busy,
+        wall_s=wall,
+    )
 
 
 def run_fanout(
@@ -326,22 +405,38 @@ def run_fanout(
                 procs = [_Proc(hosts, 1 + i, "replica", {"relays": relays}) for i in range(n)]
                 for p in procs:
                     p.send(manifest=ready["ready"])
-                done, go, hops = _one_run(procs, ready, relays, cap, timeout=600)
+                load = loadavg()
+                ran = _one_run(procs, trainer, relays, cap, timeout=600, verify=n == 1)
                 for p in procs:
                     p.stop()
                 procs = []
-                ends = [d["end"] - go for d in done]
+                ends = [d["end"] - ran.go for d in ran.ends]
+                procs_cpu = ran.trainer_cpu_s + sum(ran.replica_cpu_s)
                 row = {
                     "replicas": n,
                     "all_serve_s": round(max(ends), 3),
                     "first_s": round(min(ends), 3),
-                    "hops": hops,
-                    "byte_exact": all(d["digest"] == ready["digest"] for d in done),
+                    "hops": ran.hops,
+                    "byte_exact": all(d == ready["digest"] for d in ran.digests),
+                    # CPU seconds from go until the last replica's end: each process's own
+                    # (user+sys, every thread) and the machine's busy time over all its cores
+                    "trainer_cpu_s": round(ran.trainer_cpu_s, 3),
+                    "replica_cpu_s": [round(c, 3) for c in ran.replica_cpu_s],
+                    "pull_cpu_s": [round(d["cpu_s"], 3) for d in ran.ends],
+                    "procs_cpu_s": round(procs_cpu, 3),
+                    "busy_cpu_s": round(ran.busy_cpu_s, 3),
+                    "wall_s": round(ran.wall_s, 3),
+                    "cpus": os.cpu_count(),
+                    "loadavg": load,  # before the run: the machine is shared
                 }
+                if ran.verify_cpu_s is not None:
+                    row["verify_cpu_s"] = round(ran.verify_cpu_s, 3)
                 rows.append(row)
                 say(
                     f"{n} replicas{' with relays' if relays else ''}: all serve after {row['all_serve_s']:.2f} s "
-                    f"(first {row['first_s']:.2f} s, {hops} hops)"
+                    f"(first {row['first_s']:.2f} s, {ran.hops} hops); CPU: the bench's processes "
+                    f"{procs_cpu:.2f} s, the machine {ran.busy_cpu_s:.2f} s of {os.cpu_count()} cores x "
+                    f"{ran.wall_s:.2f} s (load before: {load})"
                 )
         finally:
             for p in procs:
@@ -350,7 +445,15 @@ def run_fanout(
     one = rows[0]["all_serve_s"] / rows[0]["replicas"]  # per replica, from the first N
     for row in rows:
         row["vs_one"] = round(row["all_serve_s"] / one, 2)
-    return {"size_bytes": size, "bucket_bytes": bucket, "rate": rate, "relays": relays, "cap": cap, "rows": rows}
+    return {
+        "size_bytes": size,
+        "bucket_bytes": bucket,
+        "rate": rate,
+        "relays": relays,
+        "cap": cap,
+        "cpus": os.cpu_count(),
+        "rows": rows,
+    }
 
 
 # -- the command ---------------------------------------------------------------------------------
