@@ -161,8 +161,8 @@ async def _replica(cfg: dict[str, Any]) -> None:
     transport = _Landing(nixl, manifest.layout) if relay else nixl
     registry = InProcessRegistry()  # the reader's view of the version: its source's progress
     puller = Puller(registry, transport, ttl=60.0, stream=True, verify_digests=relay)
-    puller.mirror = transport.allocate(manifest.layout.total_bytes)  # made ahead: relays export it
-    _say(ready=True, descriptor=base64.b64encode(transport.export(puller.mirror)).decode())
+    mirror = puller.mirror = transport.allocate(manifest.layout.total_bytes)  # made ahead: relays export it
+    _say(ready=True, descriptor=base64.b64encode(transport.export(mirror)).decode())
     go = json.loads(await anyio.to_thread.run_sync(sys.stdin.readline))
     cpu0 = time.process_time()  # every thread of this process, user and system
     await registry.begin(manifest.version, publisher=manifest.publisher, slot=manifest.slot)
@@ -190,8 +190,8 @@ async def _replica(cfg: dict[str, Any]) -> None:
             if message.get("cpu"):  # the run is over: this process's CPU since go, then the checks
                 said: dict[str, Any] = {"cpu": time.process_time() - cpu0}
                 if message.get("verify"):
-                    said["verify_cpu_s"] = verify_cpu(puller.mirror, manifest)
-                said["digest"] = digest(puller.mirror.host_view()[: manifest.nbytes])
+                    said["verify_cpu_s"] = verify_cpu(mirror, manifest)
+                said["digest"] = digest(mirror.host_view()[: manifest.nbytes])
                 _say(**said)
             if message.get("stop"):
                 break
