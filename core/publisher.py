@@ -11,6 +11,7 @@ owner makes progress) and deregisters its slots on the way out.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import queue
@@ -42,7 +43,7 @@ from .registry import Registry, ReservingRegistry, as_streaming
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
-from .tensors import TensorAdapter, adapter_for, landing, normalize_dtype
+from .tensors import TensorAdapter, adapter_for, landed_now, landing, normalize_dtype
 from .transport import Region, Transport, fault_in
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,13 @@ _MARK_POLL = 1e-3  # seconds between a streaming publisher's looks at the bucket
 # The least time between two marks: each costs the event loop that queues the copies as
 # much as several buckets' copies do, so marks batch buckets rather than follow each one.
 _MARK_EVERY = 2e-3
-# While copies are queued, the marker (the stream's announce, marks) gets the event loop
-# once per this many buckets: a turn per bucket costs more than the copies themselves.
+# While copies are queued, the loop looks which landed (without blocking) and the marker
+# (the stream's announce, marks) gets the event loop once per this many buckets: a turn
+# per bucket costs more than the copies themselves.
 _YIELD_EVERY = 32
 # The thread that counts queued copies landed starts once all are queued, or this long
-# after the first (copies a write makes itself, as host ones, must not all land unmarked):
-# started earlier, it contends for the GIL with the loop queueing the copies.
+# after the first (copies that cannot be asked without blocking must not all land
+# unmarked): started earlier, it contends for the GIL with the loop queueing the copies.
 _QUEUE_ALONE = 0.02
 
 
@@ -337,9 +339,12 @@ class Publisher:
             landed = count
             moved.set()
 
+        announced = False
+
         async def marker() -> None:
-            nonlocal moved
+            nonlocal moved, announced
             await registry.stream(manifest)  # while the first copies run: they need no word from the registry
+            announced = True
             sent = 0
             while True:
                 if landed > sent:
@@ -353,10 +358,18 @@ class Publisher:
                     await moved.wait()
                 moved = anyio.Event()
 
-        # Every bucket's copy is queued as fast as the adapter takes it; one worker thread
-        # waits for each in order and counts it landed, never calling into the event loop
-        # (a call per bucket would cost more than the copies).
+        # Every bucket's copy is queued as fast as the adapter takes it. While they are
+        # queued, the loop itself asks, at each turn it gives the marker, which landed
+        # (a CUDA event answers at once), so marks go out while the copies still run;
+        # then one worker thread waits for the rest in order and counts them landed,
+        # never calling into the event loop (a call per bucket would cost more than the
+        # copies).
         waits: queue.SimpleQueue[tuple[int, Callable[[], None]] | None] = queue.SimpleQueue()
+        unseen: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()  # queued, nobody waits
+
+        def look() -> None:
+            while unseen and landed_now(unseen[0][1]):
+                wake(unseen.popleft()[0] + 1)
 
         def wait_in_order() -> None:
             nonlocal landed
@@ -374,16 +387,25 @@ class Publisher:
                         buckets = sorted(by_bucket)
                         first = self.clock.now()
                         for queued, bucket in enumerate(buckets, 1):
-                            if queued % _YIELD_EVERY == 1:
-                                await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out meanwhile
                             await adapter.write(by_bucket[bucket], region)
                             wait = landing(adapter)
                             if wait is None:  # no way to wait for one bucket alone: fence it here
                                 await adapter.fence()
                                 wake(bucket + 1)
                                 continue
-                            waits.put((bucket, wait))
+                            if waiting:
+                                waits.put((bucket, wait))
+                            else:
+                                unseen.append((bucket, wait))
+                            # A turn for the marker after the first copies (the GPU works meanwhile), then
+                            # one per bucket until the stream is announced: no mark can go before it.
+                            if queued % _YIELD_EVERY == 0 or (queued > _YIELD_EVERY and not announced):
+                                look()
+                                await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out
                             if not waiting and (queued == len(buckets) or self.clock.now() - first >= _QUEUE_ALONE):
+                                look()
+                                while unseen:
+                                    waits.put(unseen.popleft())
                                 copies.start_soon(anyio.to_thread.run_sync, wait_in_order)
                                 waiting = True
                     finally:

@@ -54,6 +54,13 @@ def landing(adapter: TensorAdapter) -> Callable[[], None] | None:
     return None if method is None else cast(Callable[[], None], method())
 
 
+def landed_now(wait: Callable[[], None]) -> bool:
+    """Whether the copies behind a `landing` wait have landed, asked without blocking:
+    its `done()` if it has one (a CUDA event's query); False when it cannot say."""
+    done = getattr(wait, "done", None)
+    return done is not None and bool(done())
+
+
 @attrs.frozen
 class HostTensor:
     """A tensor as plain host bytes: no framework needed."""

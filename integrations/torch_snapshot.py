@@ -30,7 +30,7 @@ from weightpull.layout import Placement, TensorSpec, plan_layout
 from weightpull.publisher import Publisher, PublishResult
 from weightpull.registry import Registry, connect_registry
 from weightpull.sharding import Sharding
-from weightpull.tensors import cast_target, normalize_dtype
+from weightpull.tensors import cast_target, landed_now, normalize_dtype
 from weightpull.transport import Region, Transport
 from weightpull.transports import create_transport
 
@@ -96,18 +96,31 @@ class _Landed:
         self._done()
 
     def landing(self) -> Callable[[], None]:
-        wait, last = self.inner.landing(), self.left == 0
-
-        def landed() -> None:
-            wait()
-            if last:
-                self._done()
-
-        return landed
+        return _LastLanding(self, self.inner.landing(), self.left == 0)
 
     def _done(self) -> None:
         if self.left == 0 and not self.copied.done():
             self.copied.set_result(None)
+
+
+class _LastLanding:
+    """One bucket's landing; the last bucket's also resolves the publish's `copied` once
+    seen landed, whether waited for (a worker thread) or asked (the queueing loop)."""
+
+    def __init__(self, owner: _Landed, wait: Callable[[], None], last: bool) -> None:
+        self.owner, self.wait, self.last = owner, wait, last
+
+    def __call__(self) -> None:
+        self.wait()
+        if self.last:
+            self.owner._done()
+
+    def done(self) -> bool:
+        if not landed_now(self.wait):
+            return False
+        if self.last:
+            self.owner._done()
+        return True
 
 
 class Staging:

@@ -70,10 +70,12 @@ class TorchAdapter:
         on_device = region.view is None or any(t.is_cuda for t, _ in items)
 
         def copy_all() -> None:
-            with torch.no_grad():
-                for value, placement in items:
-                    if placement.spec.nbytes:
-                        self._view(region, placement).copy_(value.detach(), non_blocking=on_device)
+            # One call per bucket, not per tensor: a streaming publisher queues a model's
+            # casts about as fast as the GPU runs them, so the per-call cost is the pace.
+            pairs = [(self._view(region, p), v.detach()) for v, p in items if p.spec.nbytes]
+            if pairs:
+                with torch.no_grad():
+                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=on_device)
 
         if on_device:
             with torch.cuda.stream(self.stream):
@@ -91,13 +93,36 @@ class TorchAdapter:
 
     def landing(self) -> Callable[[], None]:
         """What blocks until the copies issued so far landed (the last one's event), and
-        no later: a streaming publisher marks each bucket once its own copies landed."""
+        no later: a streaming publisher marks each bucket once its own copies landed
+        (asking `done()` as it queues, then blocking in a worker thread for the rest)."""
         pending, self._pending = self._pending, []  # one stream: the last event lands last
-        return pending[-1].synchronize if pending else _nothing
+        return _EventLanding(pending[-1]) if pending else _LANDED
 
 
-def _nothing() -> None:
+class _EventLanding:
+    """Waits for one CUDA event: blocking when called, or asked without blocking."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def __call__(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+
+class _AlreadyLanded:
     """Host copies land before `write` returns: nothing to wait for."""
+
+    def __call__(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
+_LANDED = _AlreadyLanded()
 
 
 # -- fingerprints: is this the same bytes, wherever it lives --------------------------------

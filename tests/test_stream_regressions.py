@@ -141,3 +141,62 @@ async def test_queued_copies_are_marked_as_they_land_not_only_at_the_commit():
     await publisher.publish(1, host_tensors(1, sizes=(1500,) * 10))
     assert marks and marks[0] < 10, f"no bucket was marked before the last landed: {marks}"
     assert (await registry.progress(1)).state is VersionState.READY
+
+
+class AskedCopies:
+    """Host tensors whose copies are queued at once and land two writes later, as a GPU's
+    trail the loop that queues them: `landing()` never blocks to say so (`done()`)."""
+
+    def __init__(self):
+        from weightpull.tensors import HostTensorAdapter
+
+        self.inner, self.writes = HostTensorAdapter(), 0
+
+    def describe(self, name, value, rollout_dtype):
+        return self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items, region):
+        self.writes += 1
+        await self.inner.write(items, region)
+
+    async def fence(self):
+        await self.inner.fence()
+
+    def landing(self):
+        adapter, queued_at = self, self.writes
+
+        class Landing:
+            def __call__(self):
+                pass
+
+            def done(self):
+                return adapter.writes >= queued_at + 2
+
+        return Landing()
+
+
+async def test_copies_asked_without_blocking_are_marked_while_still_queued():
+    """A GPU trainer queues a model's casts about as fast as they run, so a worker thread
+    started once all are queued finds them all landed: one mark, at the end, and readers
+    read nothing while the trainer writes. Copies whose landing can be asked (a CUDA
+    event's query) are marked by the queueing loop itself, between its turns."""
+    from weightpull import InProcessRegistry, Publisher
+    from weightpull.drivers.fake import FakeTransport
+
+    registry = InProcessRegistry()
+    adapter = AskedCopies()
+    marks = []  # (buckets marked, writes queued by then)
+    real = registry.mark
+
+    async def spy(version, committed):
+        marks.append((committed, adapter.writes))
+        await real(version, committed)
+
+    registry.mark = spy
+    publisher = Publisher(
+        registry, FakeTransport(), stream=True, adapter=adapter, rollout_dtype=None, bucket_bytes=2048
+    )
+    await publisher.publish(1, host_tensors(1, sizes=(1500,) * 100))
+    assert marks and marks[0][1] < 100, f"nothing was marked before every copy was queued: {marks}"
+    assert [m for m, _ in marks] == sorted(m for m, _ in marks)
+    assert (await registry.progress(1)).state is VersionState.READY
