@@ -10,6 +10,7 @@ may be torn, and it is rejected.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import uuid
@@ -30,6 +31,7 @@ from .errors import (
     LeaseExpiredError,
     LeaseNotFoundError,
     NoProgressError,
+    NoSourceError,
     PeerGoneError,
     RegionNotRegisteredError,
     TornReadError,
@@ -52,6 +54,64 @@ _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 _MAX_REMOTES = 16
 DEFAULT_STALL_TIMEOUT = 30.0
 MAX_SOURCE_TRIES = 3  # sources a pull with host= tries before it fails
+
+
+class _Forwarder:
+    """A relay's offer of the version it is still pulling (`Puller(relay=True)`): made
+    once its first bucket lands, then advanced as buckets land. Only a prefix of whole
+    buckets counts (reads land in any order); one offer or mark is in flight at a time,
+    carrying the newest count, so marks batch themselves to the registry's pace."""
+
+    def __init__(
+        self, puller: Puller, registry: RelayingRegistry, version: int, layout: Layout, descriptor: bytes
+    ) -> None:
+        self.puller, self.registry, self.version, self.descriptor = puller, registry, version, descriptor
+        self.starts = [b.offset for b in layout.buckets]
+        self.sizes = [b.nbytes for b in layout.buckets]
+        self.filled = [0] * len(self.sizes)
+        self.landed = 0  # buckets held, a prefix
+        self.sent: int | None = None  # the count the registry has; None: not offered yet
+        self.busy = self.failed = False
+
+    def note(self, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of the mirror landed."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        while nbytes > 0 and 0 <= i < len(self.sizes):
+            take = min(nbytes, self.starts[i] + self.sizes[i] - offset)
+            self.filled[i] += take
+            offset, nbytes, i = offset + take, nbytes - take, i + 1
+        while self.landed < len(self.sizes) and self.filled[self.landed] >= self.sizes[self.landed]:
+            self.landed += 1
+
+    async def send(self) -> None:
+        """Tell the registry the newest count, unless a send is under way (it sends the
+        newest after its own). A failure stops forwarding; the relay's own pull goes on."""
+        if self.busy or self.failed:
+            return
+        self.busy = True
+        p = self.puller
+        assert p.host is not None
+        try:
+            while self.landed > (self.sent or 0):
+                count = self.landed
+                if self.sent is None:
+                    await self.registry.offer(
+                        self.version,
+                        holder=p.holder,
+                        host=p.host,
+                        descriptor=self.descriptor,
+                        cap=p.relay_cap,
+                        landed=count,
+                    )
+                    p.offered = self.version  # from now on, its next pull waits for its readers
+                else:
+                    await self.registry.mark_offer(self.version, count, holder=p.holder)
+                self.sent = count
+        except WeightpullError as exc:
+            log.warning("%s: forwarding v%s as a relay stopped: %s", p.holder, self.version, exc)
+            self.failed = True
+        finally:
+            self.busy = False
 
 
 class _SourceFailed(Exception):
@@ -274,6 +334,8 @@ class Puller:
         stream: bool = False,
         clock: Clock | None = None,
         host: str | None = None,
+        relay: bool = False,
+        relay_cap: int | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
@@ -301,7 +363,13 @@ class Puller:
         a relay are checked bucket by bucket against the publisher's digests, on a host
         mirror only. When a relay fails mid-read (gone, stalled, or bytes that do not
         match), the whole copy is dropped and read again from another source, excluding
-        that one, up to `MAX_SOURCE_TRIES` sources: a copy never mixes two sources."""
+        that one, up to `MAX_SOURCE_TRIES` sources: a copy never mixes two sources.
+
+        With `relay` (needs `host` and `stream`), each pull offers the mirror to other
+        replicas while it is still filling (`offer` with `relay_cap`): once its first
+        bucket lands, then advancing the count of buckets it holds, so that streaming
+        readers of this relay read each bucket once it landed here. A pull that fails
+        withdraws the offer; one that succeeds leaves it standing until the next pull."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(
                 f"digests are verified on host mirrors only, not on {device!r}; "
@@ -327,6 +395,13 @@ class Puller:
         self.stream = stream
         self.host = host
         self.offered: int | None = None  # the version this mirror is offered for, as a relay
+        if relay and (host is None or not stream):
+            raise InvalidArgumentError(
+                "a puller relays a version while pulling it (relay=True) with host= and stream=True"
+            )
+        self.relay, self.relay_cap = relay, relay_cap
+        self._forwarding: _Forwarder | None = None  # the pull under way's offer, with relay
+        self._reading_from = ""  # the relay the pull under way reads from ("": the slot)
         if stream:  # refused now, not at the first pull
             as_streaming(registry)
         self.clock = clock or MonotonicClock()
@@ -425,8 +500,9 @@ class Puller:
         failed: list[str] = []
         while True:
             try:
-                return await self._pull(version, exclude=failed)
+                pulled = await self._pull(version, exclude=failed)
             except _SourceFailed as exc:
+                await self._stop_forwarding(pulled=False)
                 failed.append(exc.source)
                 version = exc.version  # the same version, from elsewhere: never a mix
                 if len(failed) >= MAX_SOURCE_TRIES:
@@ -438,6 +514,36 @@ class Puller:
                     exc.version,
                     exc.__cause__,
                 )
+            except BaseException:
+                await self._stop_forwarding(pulled=False)
+                raise
+            else:
+                await self._stop_forwarding(pulled=True)
+                return pulled
+
+    async def _stop_forwarding(self, *, pulled: bool) -> None:
+        """The end of a relay's pull: a copy pulled stays offered whole; one that failed
+        is withdrawn at once, so its readers choose again (the next pull still waits for
+        them to end their leases)."""
+        forwarding, self._forwarding, self._reading_from = self._forwarding, None, ""
+        if forwarding is None or forwarding.sent is None:
+            return
+        registry, version = forwarding.registry, forwarding.version
+        with anyio.CancelScope(shield=True):
+            try:
+                if not pulled:
+                    await registry.withdraw(version, holder=self.holder)
+                elif forwarding.sent < len(forwarding.sizes):  # its marks stopped short: say it is whole
+                    assert self.host is not None and self.mirror is not None
+                    await registry.offer(
+                        version,
+                        holder=self.holder,
+                        host=self.host,
+                        descriptor=forwarding.descriptor,
+                        cap=self.relay_cap,
+                    )
+            except WeightpullError as exc:
+                log.warning("%s: could not end forwarding v%s: %s", self.holder, version, exc)
 
     async def _pull(self, version: int | None, exclude: list[str] | None = None) -> Pulled:
         started = self.clock.now()
@@ -461,6 +567,7 @@ class Puller:
             check_transport(manifest, self.transport)
             mirror = self._mirror_for(manifest.layout)
             relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
+            self._reading_from, self._forwarding = lease.source, self._forwarder(lease.version, manifest, mirror)
             reads = self._reads(relayed)
             self.mirror_version = None  # overwritten from here on
             try:
@@ -549,9 +656,16 @@ class Puller:
 
     async def _wait_for_buckets(self, manifest: Manifest, at_least: int) -> Progress:
         """The stream's progress once `at_least` buckets may be read, or it ended; one
-        that ended unfinished is a torn copy."""
+        that ended unfinished is a torn copy. Read from a relay: the relay's progress,
+        and a relay that offers it no longer is a peer gone (read afresh elsewhere)."""
+        source = self._reading_from
         try:
+            if source:
+                relaying = cast(RelayingRegistry, self.registry)
+                return await relaying.wait_for_buckets(manifest.version, at_least, source=source)
             return await as_streaming(self.registry).wait_for_buckets(manifest.version, at_least)
+        except NoSourceError as exc:
+            raise PeerGoneError(f"{self.holder}: {exc}") from exc
         except VersionStateError as exc:
             raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
 
@@ -572,20 +686,36 @@ class Puller:
         """`transport.read_many(reads)`, calling `landed(nbytes)` as each read lands. A
         driver with a `read_many` of its own (one that batches device copies) is left to
         it, and its reads count as landed together."""
+        forwarding = self._forwarding
         if type(self.transport).read_many is not Transport.read_many:
             await self.transport.read_many(reads)
             landed(sum(read[4] for read in reads))
+            if forwarding is not None:
+                for _, _, _, local_offset, nbytes in reads:
+                    forwarding.note(local_offset, nbytes)
+                await forwarding.send()
             return
 
         async def read(remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
             await self.transport.read(remote, remote_offset, local, local_offset, nbytes)
             landed(nbytes)
+            if forwarding is not None:  # a relay's readers may read it now
+                forwarding.note(local_offset, nbytes)
+                await forwarding.send()
 
         async with anyio.create_task_group() as tg:
             for r in reads:
                 tg.start_soon(read, *r)
 
+    def _forwarder(self, version: int, manifest: Manifest, mirror: Region) -> _Forwarder | None:
+        if not self.relay or manifest.shards:
+            return None
+        registry = cast(RelayingRegistry, self.registry)
+        return _Forwarder(self, registry, version, manifest.layout, self.transport.export(mirror))
+
     async def _verify_relayed(self, manifest: Manifest, mirror: Region, source: str) -> None:
+        if manifest.digests is None and self.stream:  # streamed: the digests came with its commit
+            manifest = await self._manifest(manifest.version)
         if manifest.digests is None:  # a registry refuses offers without them; a copy without is no copy
             raise DigestMismatchError(f"v{manifest.version} came from relay {source!r} with no digests to check")
         view = mirror.host_view()

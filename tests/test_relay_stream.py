@@ -1,0 +1,238 @@
+"""Relays that forward a version while it still arrives: a relay offers its mirror once
+its first bucket lands and advances the count it holds (`mark_offer`); streaming readers
+placed there wait on that count; a relay that goes mid-stream sends its readers back to
+choose again, and no copy ever mixes sources."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from weightpull import FakeClock, InProcessRegistry, Manifest, Principal, VersionState
+from weightpull.drivers.fake import FakeFaults
+from weightpull.errors import InvalidArgumentError, NoSourceError, PermissionDeniedError, VersionStateError
+from weightpull.layout import TensorSpec, plan_layout
+
+from .conftest import SlowCopy, autojump, host_tensors
+
+pytestmark = pytest.mark.anyio
+
+LAYOUT = plan_layout([TensorSpec(f"w{i}", "uint8", (1000,)) for i in range(4)], bucket_bytes=1024)
+SIZES = (1500,) * 8  # eight buckets of 2048 bytes
+RATE = 1500.0  # bytes per second: one bucket a second, copied and read alike
+
+
+def manifest(version: int = 1, digests=None) -> Manifest:
+    return Manifest(version, LAYOUT, "fake", b"src", 0, "pub", digests)
+
+
+async def streaming(registry: InProcessRegistry, marked: int = 2) -> None:
+    await registry.begin(1, publisher="pub", slot=0)
+    await registry.stream(manifest())
+    await registry.mark(1, marked)
+
+
+# -- the registry ------------------------------------------------------------------------
+
+
+async def test_a_relay_offers_a_streaming_version_and_its_readers_wait_on_its_count():
+    registry = InProcessRegistry(FakeClock())
+    await streaming(registry)
+    with pytest.raises(VersionStateError, match="only a READY version"):
+        await registry.offer(1, holder="relay", host="h1", descriptor=b"m")  # not whole: it must say what it holds
+    await registry.offer(1, holder="relay", host="h1", descriptor=b"m", landed=1)
+    lease = await registry.acquire(ttl=5.0, holder="reader", host="h1", streaming=True)
+    assert lease.source == "relay"
+    progress = await registry.progress(1, source="relay")
+    assert (progress.committed, progress.state, progress.source) == (1, VersionState.STREAMING, "relay")
+
+    woken: list[int] = []
+
+    async def reader() -> None:
+        woken.append((await registry.wait_for_buckets(1, 2, timeout=5.0, source="relay")).committed)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await anyio.wait_all_tasks_blocked()
+        assert woken == []  # the publisher's 2 are not the relay's 1
+        await registry.mark_offer(1, 2, holder="relay")
+    assert woken == [2]
+
+
+async def test_a_relays_copy_is_whole_only_once_it_holds_every_bucket_of_a_ready_version():
+    registry = InProcessRegistry(FakeClock())
+    await streaming(registry, marked=4)
+    await registry.offer(1, holder="relay", host="h1", descriptor=b"m", landed=4)
+    assert (await registry.progress(1, source="relay")).state is VersionState.STREAMING  # the version is not READY
+    await registry.commit_stream(1, ["00" * 16] * 4)
+    await registry.offer(1, holder="late", host="h1", descriptor=b"m2", landed=3)
+    assert (await registry.progress(1)).state is VersionState.READY
+    assert (await registry.progress(1, source="relay")).state is VersionState.READY
+    late = await registry.progress(1, source="late")
+    assert (late.state, late.committed) == (VersionState.STREAMING, 3)  # READY, but not yet there
+    # A reader that reads every bucket at once is handed only relays that hold it whole.
+    lease = await registry.acquire(1, ttl=5.0, holder="plain", host="h1", exclude=["relay"])
+    assert lease.source == ""
+    status = await registry.status()
+    assert [(o.holder, o.landed, o.buckets, o.leases) for o in status.offers] == [("late", 3, 4, 0), ("relay", 4, 4, 0)]
+    assert status.to_dict()["offers"][0] == {
+        "version": 1,
+        "holder": "late",
+        "host": "h1",
+        "landed": 3,
+        "buckets": 4,
+        "leases": 0,
+        "cap": None,
+    }
+    assert "offers" not in (await InProcessRegistry(FakeClock()).status()).to_dict()  # as before when none
+
+
+async def test_counts_only_grow_within_the_publishers_marks_and_only_under_ones_own_name():
+    registry = InProcessRegistry(FakeClock())
+    await streaming(registry, marked=2)
+    relay = registry.as_principal(Principal.reader("relay"))
+    with pytest.raises(InvalidArgumentError, match="publisher committed"):
+        await relay.offer(1, holder="relay", host="h1", descriptor=b"m", landed=3)  # a lie: only 2 exist
+    await relay.offer(1, holder="relay", host="h1", descriptor=b"m", landed=2)
+    with pytest.raises(InvalidArgumentError, match="between the 2"):
+        await relay.mark_offer(1, 1, holder="relay")
+    with pytest.raises(InvalidArgumentError, match="publisher committed"):
+        await relay.mark_offer(1, 3, holder="relay")
+    with pytest.raises(PermissionDeniedError):
+        await registry.as_principal(Principal.reader("other")).mark_offer(1, 2, holder="relay")
+    with pytest.raises(VersionStateError, match="offers no v1"):
+        await relay.mark_offer(1, 2, holder="relay/b")
+
+
+async def test_an_aborted_stream_or_a_relay_gone_wakes_its_readers():
+    registry = InProcessRegistry(FakeClock())
+    await streaming(registry)
+    await registry.offer(1, holder="relay", host="h1", descriptor=b"m", landed=1)
+    await registry.offer(1, holder="relay2", host="h2", descriptor=b"m", landed=1)
+    errors: list[BaseException] = []
+
+    async def reader(source: str) -> None:
+        try:
+            await registry.wait_for_buckets(1, 4, timeout=5.0, source=source)
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader, "relay")
+        await anyio.wait_all_tasks_blocked()
+        await registry.withdraw(1, holder="relay")
+    assert isinstance(errors[0], NoSourceError) and "no longer" in str(errors[0])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader, "relay2")
+        await anyio.wait_all_tasks_blocked()
+        await registry.abort(1, "the trainer died")
+    assert isinstance(errors[1], VersionStateError) and "the trainer died" in str(errors[1])  # torn, not re-chosen
+    assert registry.machine.relays.offers(1) == ()
+
+
+async def test_a_stream_committed_without_digests_ends_its_offers():
+    registry = InProcessRegistry(FakeClock())
+    await streaming(registry)
+    await registry.offer(1, holder="relay", host="h1", descriptor=b"m", landed=2)
+    await registry.commit_stream(1)
+    assert registry.machine.relays.offers(1) == ()
+    with pytest.raises(NoSourceError):
+        await registry.progress(1, source="relay")
+
+
+async def test_a_lapsed_relays_offer_of_a_stream_vanishes():
+    clock = FakeClock()
+    registry = InProcessRegistry(clock, liveness_ttl=3.0)
+    await streaming(registry)
+    relay = registry.as_principal(Principal.reader("relay"))
+    await relay.offer(1, holder="relay", host="h1", descriptor=b"m", landed=1)
+    clock.advance(2.0)
+    await registry.keepalive(("pub",))  # the publisher lives on; the relay falls silent
+    clock.advance(2.0)
+    with pytest.raises(NoSourceError):
+        await registry.progress(1, source="relay")
+
+
+# -- pullers that relay ------------------------------------------------------------------
+
+
+async def chain(world, *, kill_relay1_at: float | None = None):
+    """Publish v1 slowly, streamed; relay1 pulls it from the trainer while forwarding it,
+    relay2 (its host's) pulls it from relay1. Returns when each ended, and the pullers."""
+    adapter = SlowCopy(RATE, world.clock.sleep, None, "")
+    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048, digests=True)
+    t1, t2 = (world.transport(faults=FakeFaults(bandwidth=RATE)) for _ in range(2))
+    relay1 = world.puller(t1, host="h1", holder="relay1", stream=True, relay=True, ttl=30)
+    relay2 = world.puller(t2, host="h1", holder="relay2", stream=True, relay=True, ttl=30)
+    ended: dict[str, object] = {}
+    sources: list[str] = []
+    real_acquire = world.registry.acquire
+
+    async def spy(*args, **kw):
+        lease = await real_acquire(*args, **kw)
+        sources.append(f"{kw['holder']}<-{lease.source or 'origin'}")
+        return lease
+
+    world.registry.acquire = spy
+
+    async def publish():
+        await publisher.publish(1, host_tensors(1, sizes=SIZES))
+        ended["published"] = world.clock.now()
+
+    async def pull(name, puller, after):
+        await world.clock.sleep(after)
+        try:
+            ended[name] = await puller.pull()
+        except Exception as exc:
+            ended[name] = exc
+        ended[f"{name}_end"] = world.clock.now()
+
+    async def kill(at):
+        await world.clock.sleep(at)
+        await t1.aclose()  # relay1's process is gone: its mirror with it
+        await world.registry.withdraw(1, holder="relay1")  # as its liveness lapsing would
+
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(publish)
+        tg.start_soon(pull, "relay1", relay1, 0.5)
+        tg.start_soon(pull, "relay2", relay2, 2.5)
+        if kill_relay1_at is not None:
+            tg.start_soon(kill, kill_relay1_at)
+    return ended, sources, relay2
+
+
+def exact(pulled) -> bool:
+    return all(bytes(pulled.view(n)) == t.data for n, t in host_tensors(1, sizes=SIZES).items())
+
+
+async def test_a_chain_of_relays_pipelines_a_streamed_version(world):
+    ended, sources, relay2 = await chain(world)
+    assert sources[:2] == ["relay1<-origin", "relay2<-relay1"]
+    assert exact(ended["relay1"]) and exact(ended["relay2"])
+    # 8 s of copy; each hop adds about a bucket's second, not another 8 s.
+    assert ended["published"] == pytest.approx(8, abs=0.2)
+    assert ended["relay2_end"] - ended["relay1_end"] <= 1.5
+    assert relay2.offered == 1
+    offers = {o.holder: (o.landed, o.buckets) for o in (await world.registry.status()).offers}
+    assert offers == {"relay1": (8, 8), "relay2": (8, 8)}
+
+
+async def test_a_relay_killed_mid_stream_sends_its_reader_back_to_the_trainer(world, caplog):
+    ended, sources, relay2 = await chain(world, kill_relay1_at=4.5)
+    assert isinstance(ended["relay1"], Exception)  # its own pull died with it
+    assert sources[:3] == ["relay1<-origin", "relay2<-relay1", "relay2<-origin"]
+    assert exact(ended["relay2"]) and relay2.metrics()["pull/failed"] == 0
+    assert "relay 'relay1' failed v1" in caplog.text
+
+
+async def test_a_relay_that_lies_about_its_count_leaves_no_copy_of_it(world, caplog):
+    """A relay claims buckets its mirror does not hold: its reader reads zeros there, the
+    publisher's digests refuse them, and it reads the version afresh from the trainer."""
+    publisher = world.publisher(stream=True, digests=True, bucket_bytes=2048)
+    await publisher.publish(1, host_tensors(1, sizes=SIZES))
+    liar = world.transport()
+    mirror = liar.allocate(8 * 2048, "cpu")
+    await world.registry.offer(1, holder="liar", host="h1", descriptor=liar.export(mirror), landed=8)
+    reader = world.puller(host="h1", holder="reader", stream=True)
+    assert exact(await reader.pull())
+    assert "relay 'liar' failed v1" in caplog.text and "digest" in caplog.text
