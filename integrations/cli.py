@@ -536,8 +536,10 @@ def _table(rows: list[list[str]]) -> list[str]:
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table `status` shows, plain or live: each publisher's
     newest version (its state, age and how long its liveness has left), every version with
-    the reason it was aborted or withdrawn (and, streaming, the buckets committed so far), the live leases, what each replica serves, and
-    each principal's liveness (how long until the registry takes it for dead)."""
+    the reason it was aborted or withdrawn (and, streaming, the buckets committed so far),
+    the live leases, what each replica serves, each relay's offer (the buckets its mirror holds of the version's, the leases reading
+    from it of its cap) and each principal's liveness (how long until the registry takes it
+    for dead)."""
     versions = [
         [
             f"v{v.version}",
@@ -564,11 +566,16 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
         [name, f"v{v.version}", str(v.state), f"{v.age:.1f} s", liveness(name)] for name, v in sorted(newest.items())
     ]
     principals = [[name, f"{left:.1f} s" if left > 0 else "LAPSED"] for name, left in sorted(alive.items())]
+    relays = [
+        [f"v{o.version}", o.holder, o.host, f"{o.landed}/{o.buckets}", f"{o.leases}/{'-' if o.cap is None else o.cap}"]
+        for o in status.offers
+    ]
     return [
         ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE", "ALIVE"], publishers),
         ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
         ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
         ("serving", ["REPLICA", "VERSION"], serving),
+        ("relays", ["VERSION", "RELAY", "HOST", "BUCKETS HELD", "LEASES/CAP"], relays),
         ("liveness", ["PRINCIPAL", "ALIVE FOR"], principals),
     ]
 
@@ -1036,11 +1043,12 @@ def parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser(
         "status",
-        help="a served registry's publishers, versions, live leases, what each replica serves and who is alive",
+        help="a served registry's publishers, versions, live leases, what each replica serves, relays and who is alive",
         description="Read a served registry's publishers (each one's newest version, its state, "
         "age and liveness), versions (with the reason one was aborted or withdrawn), live leases, "
-        "the version each replica reports serving, and how long each principal's liveness has "
-        "left before the registry takes it for dead.",
+        "the version each replica reports serving, each relay's offer (its host, the buckets its "
+        "mirror holds of the version's, the leases reading from it of its cap), and how long each "
+        "principal's liveness has left before the registry takes it for dead.",
     )
     status.add_argument(
         "--registry",

@@ -236,3 +236,18 @@ async def test_a_relay_that_lies_about_its_count_leaves_no_copy_of_it(world, cap
     reader = world.puller(host="h1", holder="reader", stream=True)
     assert exact(await reader.pull())
     assert "relay 'liar' failed v1" in caplog.text and "digest" in caplog.text
+
+
+def test_status_shows_each_relays_offer_and_its_json_only_adds_them():
+    from weightpull.integrations.cli import _status_sections
+    from weightpull.records import OfferInfo, RegistryStatus
+
+    offers = (OfferInfo(4, "replica-1", "node-7", 3, 8, 1, 2), OfferInfo(4, "replica-2", "node-8", 8, 8, 0))
+    status = RegistryStatus(3, (), (), {}, offers=offers)
+    sections = {title: rows for title, _, rows in _status_sections(status)}
+    assert sections["relays"] == [
+        ["v4", "replica-1", "node-7", "3/8", "1/2"],
+        ["v4", "replica-2", "node-8", "8/8", "0/-"],
+    ]
+    assert RegistryStatus.from_dict(status.to_dict()) == status
+    assert set(RegistryStatus(3, (), (), {}).to_dict()) == {"newest_ready", "versions", "leases", "serving"}
