@@ -381,9 +381,9 @@ class Flooder:
         self.acts |= {  # reads, and acts on leases and reports
             "newest": lambda: self.reg.newest(),
             "get": self._get,
-            "progress": lambda: self.reg.progress(self.version()),
+            "progress": lambda: self.reg.progress(self.version(), source=self.source()),
             "wait_for_buckets": lambda: self.reg.wait_for_buckets(
-                self.version(), self.rng.randrange(4), timeout=self.rng.choice([0.0, 0.02])
+                self.version(), self.rng.randrange(4), timeout=self.rng.choice([0.0, 0.02]), source=self.source()
             ),
             "wait_for_version": lambda: self.reg.wait_for_version(self.version(), timeout=self.rng.choice([0.0, 0.02])),
             "acquire": self._acquire,
@@ -393,6 +393,7 @@ class Flooder:
             "report_serving": self._report_serving,
             "status": self._status,
             "offer": self._offer,
+            "mark_offer": self._mark_offer,
             "withdraw": self._withdraw,
             "readers_at": lambda: self.reg.readers_at(self.version(), self.name()),
             "reservations": lambda: self.reg.reservations(),
@@ -559,13 +560,30 @@ class Flooder:
         await self.reg.report_serving(replica, self.version())
 
     async def _offer(self) -> None:
-        """A relay's offer, under its own names or another's, of any version."""
+        """A relay's offer, under its own names or another's, of any version, whole or of
+        its first buckets (a version still streaming, or a lie)."""
         holder = self.name()
         self.mark_hostile(names=(holder,))
         descriptor = self.rng.randbytes(self.rng.randrange(1, 64))
+        landed = self.rng.choice([None, None, self.rng.randrange(6)])
         await self.reg.offer(
-            self.version(), holder=holder, host="h", descriptor=descriptor, cap=self.rng.choice([None, 1])
+            self.version(),
+            holder=holder,
+            host="h",
+            descriptor=descriptor,
+            cap=self.rng.choice([None, 1]),
+            landed=landed,
         )
+
+    async def _mark_offer(self) -> None:
+        """A relay's count of buckets held, under its own names or another's, of any version."""
+        holder = self.name()
+        self.mark_hostile(names=(holder,))
+        await self.reg.mark_offer(self.version(), self.rng.randrange(6), holder=holder)
+
+    def source(self) -> str | None:
+        """Where a streaming read waits: the version's slot, or a relay by name (anyone's: only reads)."""
+        return self.rng.choice([None, None, self.name()])
 
     async def _withdraw(self) -> None:
         holder = self.name()
