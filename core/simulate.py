@@ -20,6 +20,13 @@ H such slices moving side by side, each its own fan-out, so one slice is simulat
   each gets the source `weightpull.sources.choose_source` picks, or waits and asks
   again when a source offers itself or a lease ends. Live leases are the readers reading
   from a source; a reader releases its lease when its copy is whole.
+- **CPUs.** With `cpus`, every host shares that many cores (emulated hosts on one
+  machine): each byte moved costs `send_cpu` core-seconds at its source and `recv_cpu`
+  at its reader, and a reader that holds its whole copy checks it, `verify_cpu` per byte
+  on one core, before it serves. When the demand exceeds the cores, every flow and every
+  check slows in the same proportion (processor sharing of the cores, as links are
+  shared). Without `cpus` (real hosts, each its own CPUs) the cores never bind; a check
+  still takes its time on one core.
 - **Failures.** A replica that dies stops reading and serving. Each of its readers
   notices after `detect_s` (at most one lease TTL), drops its whole copy (it never keeps
   bytes of two sources) and asks again, never for the dead one or a replica reading
@@ -76,6 +83,11 @@ class Failure:
     at: float = attrs.field(validator=_non_negative("a failure's time"))
 
 
+def _check_cpus(_: Any, __: Any, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidArgumentError(f"cpus must be a positive int or None, got {value!r}")
+
+
 def _check_cap(_: Any, __: Any, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise InvalidArgumentError(f"cap must be a positive int or None, got {value!r}")
@@ -95,6 +107,10 @@ class Scenario:
     cap: int | None = attrs.field(default=None, validator=_check_cap)  # live leases per source
     failures: tuple[Failure, ...] = attrs.field(default=(), converter=tuple)
     detect_s: float = attrs.field(default=1.0, validator=_non_negative("detect_s"))
+    cpus: int | None = attrs.field(default=None, validator=_check_cpus)  # cores all hosts share
+    send_cpu: float = attrs.field(default=0.0, validator=_non_negative("send_cpu"))  # core-s per byte sent
+    recv_cpu: float = attrs.field(default=0.0, validator=_non_negative("recv_cpu"))  # core-s per byte received
+    verify_cpu: float = attrs.field(default=0.0, validator=_non_negative("verify_cpu"))  # core-s per byte checked
 
     def __attrs_post_init__(self) -> None:
         for f in self.failures:
@@ -122,7 +138,7 @@ class _Node:
     hops: int = 0
     has: int = 0  # buckets held, from the first
     source: int | None = None
-    state: str = "asking"  # asking, blocked, waiting, moving, detecting, done, dead
+    state: str = "asking"  # asking, blocked, waiting, moving, verifying, detecting, done, dead
     epoch: int = 0  # bumps when a scheduled wake-up no longer applies
     readers: set[int] = attrs.Factory(set)  # live leases at this node
     done_at: float | None = None
@@ -139,12 +155,16 @@ class _Sim:
         self.events: list[tuple[float, int, str, int, int]] = []
         self.seq = itertools.count()
         self.now = 0.0
-        # processor sharing per source: virtual time, its last update, the flows moving
-        self.vt = [0.0] * len(self.nodes)
-        self.vt_at = [0.0] * len(self.nodes)
-        self.flows: list[dict[int, float]] = [{} for _ in self.nodes]  # reader -> virtual finish
-        self.finishes: list[list[tuple[float, int]]] = [[] for _ in self.nodes]  # heaps of the same, lazily kept
-        self.stamp = [0] * len(self.nodes)
+        # Processor sharing per source: virtual time, its last update, the flows moving. One
+        # more "source", CHECK, holds the readers checking their copies (core-seconds each).
+        self.check = len(self.nodes)
+        pools = len(self.nodes) + 1
+        self.vt = [0.0] * pools
+        self.vt_at = [0.0] * pools
+        self.flows: list[dict[int, float]] = [{} for _ in range(pools)]  # reader -> virtual finish
+        self.finishes: list[list[tuple[float, int]]] = [[] for _ in range(pools)]  # heaps of the same, lazily kept
+        self.stamp = [0] * pools
+        self.speed = 1.0  # the share of its demand the cores give every flow and check (cpus)
         self.asking: deque[int] = deque()  # readers that exclude no source, in turn
         self.excluding: list[int] = []  # readers whose source died: they exclude some
         self.ask = False  # whether a source offered itself or gained room since the last asking
@@ -157,11 +177,34 @@ class _Sim:
     def push(self, at: float, kind: str, node: int, stamp: int) -> None:
         heapq.heappush(self.events, (at, next(self.seq), kind, node, stamp))
 
+    def _rate(self, s: int) -> float:
+        """How fast each flow of `s` moves now: bytes/s (core-seconds/s for the checks)."""
+        if s == self.check:
+            return self.speed
+        return self.s.bandwidth * self.speed / len(self.flows[s])
+
     def _advance(self, s: int) -> None:
-        flows = self.flows[s]
-        if flows:
-            self.vt[s] += (self.now - self.vt_at[s]) * self.s.bandwidth / len(flows)
+        if self.flows[s]:
+            self.vt[s] += (self.now - self.vt_at[s]) * self._rate(s)
         self.vt_at[s] = self.now
+
+    def _share_cpus(self) -> None:
+        """After flows or checks began or ended: with `cpus`, the cores' share of the demand
+        (core-seconds per second) every flow and check gets; all advance at the old share
+        first. Without `cpus` the share stays 1."""
+        if self.s.cpus is None:
+            return
+        per_link = self.s.bandwidth * (self.s.send_cpu + self.s.recv_cpu)  # a busy source's link
+        demand = per_link * sum(1 for f in self.flows[: self.check] if f) + len(self.flows[self.check])
+        speed = min(1.0, self.s.cpus / demand) if demand > 0 else 1.0
+        if speed == self.speed:
+            return
+        busy = [s for s, f in enumerate(self.flows) if f]
+        for s in busy:
+            self._advance(s)
+        self.speed = speed
+        for s in busy:
+            self._reschedule(s)
 
     def _reschedule(self, s: int) -> None:
         self.stamp[s] += 1
@@ -170,7 +213,7 @@ class _Sim:
             heapq.heappop(heap)
         if flows:
             first = heap[0][0]
-            at = self.now + max(0.0, first - self.vt[s]) * len(flows) / self.s.bandwidth
+            at = self.now + max(0.0, first - self.vt[s]) / self._rate(s)
             self.push(at, "moved", s, self.stamp[s])
 
     # -- sources -------------------------------------------------------------------------
@@ -243,7 +286,10 @@ class _Sim:
     def _request(self, node: _Node) -> None:
         assert node.source is not None
         if node.has >= self.n:
-            self._finish(node)
+            if self.s.verify_cpu > 0:
+                self._start(node, self.check, self.s.nbytes * self.s.verify_cpu, "verifying")
+            else:
+                self._finish(node)
             return
         if self.nodes[node.source].has > node.has:
             node.state = "waiting"
@@ -254,13 +300,17 @@ class _Sim:
 
     def _move(self, node: _Node) -> None:
         assert node.source is not None
-        s = node.source
+        self._start(node, node.source, self.sizes[node.has], "moving")
+
+    def _start(self, node: _Node, s: int, work: float, state: str) -> None:
+        """A flow of `work` (bytes from source `s`, or core-seconds of checking)."""
         self._advance(s)
-        node.state = "moving"
-        finish = self.vt[s] + self.sizes[node.has]
+        node.state = state
+        finish = self.vt[s] + work
         self.flows[s][node.index] = finish
         heapq.heappush(self.finishes[s], (finish, node.index))
         self._reschedule(s)
+        self._share_cpus()
 
     def _landed(self, node: _Node) -> None:
         node.has += 1
@@ -297,22 +347,26 @@ class _Sim:
         self.dead.add(r)
         was = node.state
         node.state, node.epoch = "dead", node.epoch + 1
+        if was in ("moving", "verifying"):
+            s = self.check if was == "verifying" else node.source
+            assert s is not None
+            self._advance(s)
+            del self.flows[s][r]
+            self._reschedule(s)
         if node.source is not None:
-            s = node.source
-            if was == "moving":
-                self._advance(s)
-                del self.flows[s][r]
-                self._reschedule(s)
-            self.nodes[s].readers.discard(r)
-            self._reoffer(self.nodes[s])
+            self.nodes[node.source].readers.discard(r)
+            self._reoffer(self.nodes[node.source])
         self._advance(r)  # its readers' flows stop
         for c in list(node.readers):
             child = self.nodes[c]
+            if child.state == "verifying":  # it holds the whole copy: it needs its source no more
+                continue
             self.flows[r].pop(c, None)
             child.state, child.epoch = "detecting", child.epoch + 1
             self.push(self.now + self.s.detect_s, "wake", c, child.epoch)
         node.readers.clear()
         self._reschedule(r)
+        self._share_cpus()
         self.ask = True
 
     def _restart(self, node: _Node) -> None:
@@ -345,7 +399,7 @@ class _Sim:
                 break
             at, _, kind, i, stamp = heapq.heappop(self.events)
             self.now = max(self.now, at)
-            node = self.nodes[i]
+            node = self.nodes[min(i, len(self.nodes) - 1)]  # i == self.check only for "moved"
             if kind == "commit":
                 origin.has += 1
                 self._landed_origin()
@@ -370,8 +424,12 @@ class _Sim:
                         del flows[r]
                         ended.append(r)
                 self._reschedule(i)
+                self._share_cpus()
                 for r in ended:
-                    self._landed(self.nodes[r])
+                    if i == self.check:  # checked: it serves
+                        self._finish(self.nodes[r])
+                    else:
+                        self._landed(self.nodes[r])
         live = [nd for nd in self.nodes[1:] if nd.index not in self.dead]
         if any(nd.done_at is None for nd in live):
             raise RuntimeError("simulate: a live replica never finished (a defect in the model)")
@@ -398,5 +456,10 @@ def simulate(scenario: Scenario) -> Outcome:
 
 
 def one_read_s(scenario: Scenario) -> float:
-    """One replica reading alone from a published slot: the figure a run is calibrated on."""
-    return sum(scenario.latency + scenario.bucket_overhead + b / scenario.bandwidth for b in scenario.buckets)
+    """One replica reading alone from a published slot, then checking its copy: the figure
+    a run is calibrated on."""
+    s = scenario
+    demand = s.bandwidth * (s.send_cpu + s.recv_cpu)
+    speed = min(1.0, s.cpus / demand) if s.cpus is not None and demand > 0 else 1.0
+    moving = sum(s.latency + s.bucket_overhead + b / (s.bandwidth * speed) for b in s.buckets)
+    return moving + s.nbytes * s.verify_cpu

@@ -4,8 +4,11 @@ against a measured fan-out.
 Predicts the time until N replicas serve a model, with and without relays, for the
 models in `MODELS` at a host bandwidth (400 Gbit/s by default), and draws it beside the
 published figures of other systems (`--plot`, with matplotlib: the `plot` extra).
-`validate` calibrates the model on a measured fan-out's one-replica time and predicts the
-rest of the measured run.
+`validate` calibrates the model on a measured fan-out's one-replica row and predicts the
+rest of the measured run: its link from the time, and, where the run measured CPU, what
+each byte costs the sender's and the reader's CPU (and the reader's check of its copy),
+all hosts sharing the run's cores. The predictions at scale leave CPU out: real hosts
+each have their own cores, which a link of 400 Gbit/s with RDMA barely uses.
 """
 
 from __future__ import annotations
@@ -103,33 +106,79 @@ def predict(models: Sequence[str], replicas: Sequence[int], p: Params) -> list[d
     return rows
 
 
-def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each row of a measured fan-out (`bench fanout`'s JSON) beside the model's
-    prediction, calibrated on the run's one-replica time alone (its bandwidth)."""
-    rows = measured["rows"]
-    base = min(rows, key=lambda r: r["replicas"])
+@attrs.frozen
+class Calibration:
+    """What the model takes from a measured run's one-replica row."""
+
+    bandwidth: float  # bytes/s: the one copy's bytes over its time less its check
+    cpus: int | None = None  # cores every emulated host shares; None: not measured
+    send_cpu: float = 0.0  # core-seconds per byte: the trainer's CPU over the copy
+    recv_cpu: float = 0.0  # the reader's, less its check
+    verify_cpu: float = 0.0  # the reader's check of its copy (measured apart, off the clock)
+
+
+def calibrate(measured: dict[str, Any]) -> Calibration:
+    """The model's figures from the one-replica row of a measured run alone (never from
+    the rows it is checked against). A run without CPU figures calibrates the link only."""
+    base = min(measured["rows"], key=lambda r: r["replicas"])
     if base["replicas"] != 1:
         raise InvalidArgumentError("a measured fan-out to validate against needs its one-replica row")
-    bandwidth = measured["size_bytes"] / base["all_serve_s"]
+    nbytes, seconds = measured["size_bytes"], base["all_serve_s"]
+    cpus = measured.get("cpus") or base.get("cpus")
+    if cpus is None or "trainer_cpu_s" not in base or "replica_cpu_s" not in base:
+        return Calibration(bandwidth=nbytes / seconds)
+    check = base.get("verify_cpu_s") or 0.0
+    if check >= seconds:
+        raise InvalidArgumentError(f"the one-replica check took {check} s of CPU, the whole copy {seconds} s")
+    return Calibration(
+        bandwidth=nbytes / (seconds - check),  # the check is on one core, after the last byte
+        cpus=int(cpus),
+        send_cpu=base["trainer_cpu_s"] / nbytes,
+        recv_cpu=max(0.0, base["replica_cpu_s"][0] - check) / nbytes,
+        verify_cpu=check / nbytes,
+    )
+
+
+def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each row of a measured fan-out (`bench fanout`'s JSON) beside the model's
+    prediction, calibrated on the run's one-replica row alone (`calibrate`): its link and,
+    when measured, its CPU per byte, every host sharing the run's cores. Each row also
+    says the CPU the model demanded (core-seconds) beside what the run's processes spent."""
+    rows = measured["rows"]
+    cal = calibrate(measured)
     out = []
     for row in rows:
         s = Scenario(
             replicas=row["replicas"],
             nbytes=measured["size_bytes"],
             bucket_bytes=measured["bucket_bytes"],
-            bandwidth=bandwidth,
+            bandwidth=cal.bandwidth,
             relays=bool(measured.get("relays")),
             cap=measured.get("cap"),
+            cpus=cal.cpus,
+            send_cpu=cal.send_cpu,
+            recv_cpu=cal.recv_cpu,
+            verify_cpu=cal.verify_cpu,
         )
         predicted = simulate(s).all_serve_s
-        out.append(
-            {
-                "replicas": row["replicas"],
-                "measured_s": row["all_serve_s"],
-                "simulated_s": round(predicted, 3),
-                "error": round(predicted / row["all_serve_s"] - 1, 3),
-            }
-        )
+        result = {
+            "replicas": row["replicas"],
+            "measured_s": row["all_serve_s"],
+            "simulated_s": round(predicted, 3),
+            "error": round(predicted / row["all_serve_s"] - 1, 3),
+        }
+        if cal.cpus is not None:
+            per_copy = measured["size_bytes"] * (cal.send_cpu + cal.recv_cpu + cal.verify_cpu)
+            result.update(
+                cpus=cal.cpus,
+                # the CPU the model gives the copies, beside what the run's processes spent
+                demand_cpu_s=round(row["replicas"] * per_copy, 3),
+                measured_cpu_s=row.get("procs_cpu_s"),
+                busy_cpu_s=row.get("busy_cpu_s"),
+                # as many cores as the processes want: what separate hosts would give
+                enough_cpus_s=round(simulate(attrs.evolve(s, cpus=None)).all_serve_s, 3),
+            )
+        out.append(result)
     return out
 
 
@@ -240,8 +289,8 @@ def add_parser(sub: Any) -> None:
         "relays, every replica that holds the version serve it; each host's link is shared by its readers; "
         "buckets are forwarded as they arrive; sources are chosen by the registry's policy "
         "(weightpull.sources). Prints the time until every replica serves the 8B and 1T models for each N, "
-        "without relays (all read the trainer) and with. Validate it against a measured run with --measured "
-        "(docs/fanout.md).",
+        "without relays (all read the trainer) and with; CPUs never bind (real hosts have their own). "
+        "Validate it against a measured run with --measured (docs/fanout.md).",
     )
     p.add_argument("--model", choices=(*MODELS, "both"), default="both", help="the model (default: both)")
     p.add_argument(
@@ -271,7 +320,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--detect-s", type=_non_negative, default=1.0, help="until a reader notices its source died (default: 1)"
     )
-    p.add_argument("--measured", metavar="FILE", help="a `bench fanout --json` result: print the model beside it")
+    p.add_argument(
+        "--measured",
+        metavar="FILE",
+        help="a `bench fanout --json` result: each of its runs beside the model calibrated on that run's "
+        "one-replica row (its link and, where measured, its CPU per byte, all hosts sharing the run's cores), "
+        "with each row's error",
+    )
     p.add_argument("--plot", metavar="PNG", help="draw the prediction beside published figures (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object, the last line of stdout")
     p.set_defaults(func=run)
@@ -281,13 +336,21 @@ def run(args: argparse.Namespace) -> int:
     if args.measured:
         with open(args.measured) as f:
             measured = json.load(f)
-        rows = validate(measured.get("direct", measured))
+        runs = measured if "rows" not in measured else {"direct": measured}  # both runs, or one
+        checked = {name: validate(run) for name, run in runs.items()}
         if args.json:
-            print(json.dumps({"validation": rows}))
-        else:
-            print("replicas  measured s  simulated s  error")
+            print(json.dumps({"validation": checked}))  # each run's rows, by its name
+            return 0
+        for name, rows in checked.items():
+            print(f"{name}: the model calibrated on the one-replica row alone")
+            print("replicas  measured s  simulated s   error  cpu demand s  cpu measured s  enough cpus s")
             for r in rows:
-                print(f"{r['replicas']:8d}  {r['measured_s']:10.3f}  {r['simulated_s']:11.3f}  {r['error']:+.1%}")
+                cpu = (
+                    f"  {r['demand_cpu_s']:12.2f}  {r['measured_cpu_s'] or 0:14.2f}  {r['enough_cpus_s']:13.3f}"
+                    if "cpus" in r
+                    else ""
+                )
+                print(f"{r['replicas']:8d}  {r['measured_s']:10.3f}  {r['simulated_s']:11.3f}  {r['error']:+6.1%}{cpu}")
         return 0
     if args.efficiency > 1:
         raise InvalidArgumentError(f"--efficiency is a share of the link, at most 1, got {args.efficiency}")

@@ -77,6 +77,57 @@ def test_a_replica_that_dies_after_serving_costs_nobody_a_restart():
     assert out.restarts == 0 and out.serve_s[0] is None
 
 
+# CPUs: hand-checked cases with round figures. A link of 100 MB/s carrying the version takes
+# T; each busy link costs its source and reader LINK_CPU together, in cores.
+CLEAN = dict(nbytes=64 * MiB, bucket_bytes=8 * MiB, bandwidth=100e6)
+T = 64 * MiB / 100e6
+
+
+def per_byte(cores: float) -> float:
+    return cores / 100e6 / 2  # split evenly between sender and reader
+
+
+def test_two_busy_links_on_one_core_each_move_at_half_speed():
+    # forward only whole copies, cap 1: r1 reads the trainer alone (T), then r2 reads the
+    # trainer and r3 reads r1 at once: two links, each wanting a whole core
+    chain = dict(replicas=3, relays=True, cap=1, forward=False, send_cpu=per_byte(1.0), recv_cpu=per_byte(1.0), **CLEAN)
+    assert simulate(Scenario(**chain, cpus=1)).all_serve_s == pytest.approx(T + 2 * T)
+    assert simulate(Scenario(**chain, cpus=2)).all_serve_s == pytest.approx(2 * T)
+    assert simulate(Scenario(**chain)).all_serve_s == pytest.approx(2 * T)  # no cpus: hosts have their own
+
+
+def test_a_link_that_wants_two_cores_on_one_moves_at_half_speed():
+    s = Scenario(replicas=1, cpus=1, send_cpu=per_byte(2.0), recv_cpu=per_byte(2.0), **CLEAN)
+    assert simulate(s).all_serve_s == pytest.approx(2 * T)
+    assert one_read_s(s) == pytest.approx(2 * T)
+
+
+def test_checks_take_a_core_each_and_share_the_cores():
+    # two readers of the trainer end their reads together (2T), then both check their copy
+    direct = dict(replicas=2, verify_cpu=0.25 / (64 * MiB), **CLEAN)
+    assert simulate(Scenario(**direct)).all_serve_s == pytest.approx(2 * T + 0.25)
+    assert simulate(Scenario(**direct, cpus=2)).all_serve_s == pytest.approx(2 * T + 0.25)
+    assert simulate(Scenario(**direct, cpus=1)).all_serve_s == pytest.approx(2 * T + 0.5)
+    assert one_read_s(Scenario(**{**direct, "replicas": 1})) == pytest.approx(T + 0.25)
+
+
+def test_a_check_and_a_link_share_one_core_in_proportion():
+    # r1 reads (T), then checks (0.2 core-s) while r2 reads from it (half a core): 1.5
+    # cores wanted of 1, both at 2/3 speed until r1's check ends at T + 0.3; r2 then has
+    # T - 0.2 to read at full speed and checks its copy alone
+    s = dict(
+        replicas=2, relays=True, cap=1, forward=False, verify_cpu=0.2 / (64 * MiB),
+        send_cpu=per_byte(0.5), recv_cpu=per_byte(0.5), **CLEAN,
+    )  # fmt: skip
+    assert simulate(Scenario(**s, cpus=1)).all_serve_s == pytest.approx(2 * T + 0.3)
+    assert simulate(Scenario(**s)).all_serve_s == pytest.approx(2 * T + 0.2)
+
+
+def test_without_cpus_the_cost_per_byte_changes_nothing():
+    costly = dict(send_cpu=1e-6, recv_cpu=1e-6, replicas=12, relays=True, cap=2)
+    assert simulate(Scenario(**BASE, **costly)) == simulate(Scenario(**BASE, replicas=12, relays=True, cap=2))
+
+
 def test_the_same_scenario_gives_the_same_outcome():
     s = Scenario(replicas=20, relays=True, cap=3, failures=[Failure(5, 0.2), Failure(9, 0.4)], **BASE)
     assert simulate(s) == simulate(s)
@@ -92,6 +143,10 @@ def test_the_same_scenario_gives_the_same_outcome():
         dict(latency=-1),
         dict(cap=0),
         dict(failures=[Failure(9, 1.0)]),
+        dict(cpus=0),
+        dict(cpus=1.5),
+        dict(send_cpu=-1e-9),
+        dict(verify_cpu=-1),
     ],
 )
 def test_bad_scenarios_are_refused(bad):
@@ -109,8 +164,13 @@ def test_bad_scenarios_are_refused(bad):
     cap=st.none() | st.integers(1, 3),
     forward=st.booleans(),
     deaths=st.lists(st.tuples(st.integers(1, 12), st.floats(0, 3)), max_size=3),
+    cpus=st.none() | st.integers(1, 3),
+    cores_per_link=st.sampled_from([0.0, 0.3, 1.5]),
+    check_s=st.sampled_from([0.0, 0.05]),
 )
-def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(n, buckets, relays, cap, forward, deaths):
+def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
+    n, buckets, relays, cap, forward, deaths, cpus, cores_per_link, check_s
+):
     failures = [Failure(r, at) for r, at in deaths if r <= n]
     s = Scenario(
         replicas=n,
@@ -123,6 +183,9 @@ def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(n, b
         forward=forward,
         failures=failures,
         detect_s=0.2,
+        cpus=cpus,
+        send_cpu=cores_per_link / 10e6,
+        verify_cpu=check_s / (buckets * MiB),
     )
     out = simulate(s)
     dead = {f.replica for f in failures}

@@ -42,9 +42,39 @@ def test_simulate_beside_a_measured_run(capsys, tmp_path):
     path.write_text(json.dumps({"direct": measured}))
     status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
     assert status == 0
-    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]}
+    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]["direct"]}
     assert rows[4]["simulated_s"] == pytest.approx(8.0, rel=0.001)
     assert rows[4]["error"] == pytest.approx(8.0 / 8.4 - 1, abs=0.001)
+    assert "cpus" not in rows[4]  # no CPU measured: the links alone
+
+
+def test_a_measured_run_with_cpu_figures_shares_the_runs_cores(capsys, tmp_path):
+    # one reader: 2.0 s, of which its check took 0.25 s on a core after the last byte, so
+    # the link moves the version in 1.75 s; trainer 0.5 and reader 0.5 core-s for the bytes
+    # (0.57 cores while moving: the link binds); two readers end their reads at 3.5 s and
+    # check at once on the one core: 0.5 s more (0.25 s with cores enough)
+    measured = {
+        "size_bytes": 256 << 20,
+        "bucket_bytes": 16 << 20,
+        "relays": False,
+        "cpus": 1,
+        "rows": [
+            {"replicas": 1, "all_serve_s": 2.0, "trainer_cpu_s": 0.5, "replica_cpu_s": [0.75], "verify_cpu_s": 0.25},
+            {"replicas": 2, "all_serve_s": 4.4, "procs_cpu_s": 2.6},
+        ],
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"direct": measured}))
+    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
+    assert status == 0
+    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]["direct"]}
+    assert rows[1]["simulated_s"] == pytest.approx(2.0, abs=0.001)
+    assert rows[2]["simulated_s"] == pytest.approx(4.0, abs=0.001)
+    assert rows[2]["enough_cpus_s"] == pytest.approx(3.75, abs=0.001)
+    assert rows[2]["demand_cpu_s"] == pytest.approx(2.5) and rows[2]["measured_cpu_s"] == 2.6
+    assert rows[2]["error"] == pytest.approx(4.0 / 4.4 - 1, abs=0.001)
+    status, out, _ = run(capsys, "simulate", "--measured", str(path))
+    assert "direct:" in out and "-9.1%" in out
 
 
 @pytest.mark.parametrize(
