@@ -511,7 +511,9 @@ def run_command(args: Any) -> int:
     for result in runs.values():
         simulated = {r["replicas"]: r for r in validate(result)}
         for row in result["rows"]:
-            row["simulated_s"] = simulated[row["replicas"]]["simulated_s"]
+            model = simulated[row["replicas"]]
+            row["simulated_s"], row["simulated_error"] = model["simulated_s"], model["error"]
+            row["enough_cpus_s"] = model.get("enough_cpus_s")  # the model with a core for every demand
     exact = all(r["byte_exact"] for result in runs.values() for r in result["rows"])
     if args.json:
         print(json.dumps(runs))
@@ -520,22 +522,25 @@ def run_command(args: Any) -> int:
     print(
         f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}; direct: every replica "
         f"reads the trainer's slot; relays: each reads the source the policy hands it (cap {args.cap}), "
-        "relays forward buckets as they land, readers check the publisher's digests"
+        "relays forward buckets as they land, readers check the publisher's digests; simulated: the model "
+        f"calibrated on the one-replica row, hosts sharing {os.cpu_count()} cores; cpu s: the bench's processes "
+        "/ the machine's busy CPU-seconds over the run"
     )
-    print("replicas  direct s  x one  simulated   relays s  x one  simulated  hops  byte-exact")
+    print(
+        "replicas  direct s  x one  simulated  error  cpu s        relays s  x one  simulated  error  cpu s        "
+        "hops  byte-exact"
+    )
     relayed = {r["replicas"]: r for r in runs.get("relays", {"rows": []})["rows"]}
+
+    def cols(r: dict[str, Any]) -> str:
+        cpu = f"{r['procs_cpu_s']:.1f}/{r['busy_cpu_s']:.1f}"
+        return f"{r['all_serve_s']:8.2f}  {r['vs_one']:5.2f}  {r['simulated_s']:9.2f}  {r['simulated_error']:+5.0%}  {cpu:11}"
+
     for d in direct["rows"]:
         r = relayed.get(d["replicas"])
-        tail = (
-            f"{r['all_serve_s']:9.2f}  {r['vs_one']:5.2f}  {r['simulated_s']:9.2f}  {r['hops']:4d}"
-            if r
-            else f"{'-':>9}  {'-':>5}  {'-':>9}  {'-':>4}"
-        )
+        tail = f"{cols(r)}  {r['hops']:4d}" if r else f"{'-':>8}  {'-':>5}  {'-':>9}  {'-':>5}  {'-':11}  {'-':>4}"
         ok = d["byte_exact"] and (r is None or r["byte_exact"])
-        print(
-            f"{d['replicas']:8d}  {d['all_serve_s']:8.2f}  {d['vs_one']:5.2f}  {d['simulated_s']:9.2f}  {tail}  "
-            f"{'yes' if ok else 'NO'}"
-        )
+        print(f"{d['replicas']:8d}  {cols(d)}  {tail}  {'yes' if ok else 'NO'}")
     return 0 if exact else 1
 
 
