@@ -616,12 +616,13 @@ class Puller:
         """Make every read (concurrently, as the transport sees fit) under the lease."""
 
         async def read_all(note: Callable[[int], None]) -> None:
+            ended: list[Progress] = []  # how the stream ended, if it did before its last batch
             async with anyio.create_task_group() as readers:
-                async for batch in self._batches(manifest, reads, note):
+                async for batch in self._batches(manifest, reads, note, ended):
                     todo = [(remote, off, mirror, local_off, n) for remote, off, local_off, n in batch]
                     readers.start_soon(self._read_many, todo, note)
-            if self.stream:
-                await self._until_ready(manifest)
+            if self.stream and not (ended and ended[-1].state in (VersionState.READY, VersionState.RETIRED)):
+                await self._until_ready(manifest)  # READY already seen needs no second word
 
         return await read_under_lease(
             self.registry,
@@ -638,17 +639,23 @@ class Puller:
         )
 
     async def _batches(
-        self, manifest: Manifest, reads: list[tuple[Remote, int, int, int]], note: Callable[[int], None]
+        self,
+        manifest: Manifest,
+        reads: list[tuple[Remote, int, int, int]],
+        note: Callable[[int], None],
+        ended: list[Progress],
     ) -> AsyncIterator[list[tuple[Remote, int, int, int]]]:
         """The reads, in batches as they may be made: all at once, or of a version still
         STREAMING, each bucket's once the publisher marked it (an unsharded version's
-        reads are its buckets, in order)."""
+        reads are its buckets, in order). A stream seen ended goes into `ended`."""
         if not self.stream or manifest.shards:
             yield reads
             return
         issued = 0
         while issued < len(reads):
             progress = await self._wait_for_buckets(manifest, issued + 1)
+            if progress.state is not VersionState.STREAMING:
+                ended.append(progress)
             upto = len(reads) if progress.state is not VersionState.STREAMING else min(progress.committed, len(reads))
             note(0)  # the publisher moved: not a stall
             yield reads[issued:upto]

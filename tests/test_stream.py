@@ -22,7 +22,7 @@ from weightpull.errors import NoReadyVersionError, PermissionDeniedError, Versio
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal
 
-from .conftest import SlowCopy, autojump, host_tensors
+from .conftest import SlowCopy, World, autojump, host_tensors
 
 pytestmark = pytest.mark.anyio
 
@@ -204,6 +204,31 @@ async def test_a_streaming_reader_finishes_about_a_bucket_after_the_publisher(wo
     # The copy takes 8 s; a serial pull would end 8 s later, the stream one bucket later.
     assert ended["published"] == pytest.approx(8, abs=0.1)
     assert ended["pull_end"] - ended["published"] <= 1.5
+
+
+async def test_a_streaming_reader_that_saw_the_version_ready_asks_no_more(world):
+    """A stream seen READY while its batches were handed out is not asked again once they
+    landed (a round trip on the way to serving); one that was not, is."""
+    publisher = world.publisher(stream=True)
+    await publisher.publish(1, host_tensors(1, sizes=SIZES))
+    asked = []
+    real = world.registry.wait_for_buckets
+
+    async def spy(version, at_least, **kw):
+        asked.append(at_least)
+        return await real(version, at_least, **kw)
+
+    world.registry.wait_for_buckets = spy
+    pulled = await world.puller(stream=True).pull()
+    assert pulled.version == 1 and asked == [1]
+    for name, t in host_tensors(1, sizes=SIZES).items():
+        assert bytes(pulled.view(name)) == t.data
+    racing = World()  # read while written: its end is the commit's, asked for once every batch landed
+    asked.clear()
+    real = racing.registry.wait_for_buckets
+    racing.registry.wait_for_buckets = spy
+    ended, _ = await race(racing, stream=True)
+    assert ended["pulled"].version == 1 and asked[-1] == len(ended["pulled"].layout.buckets) + 1
 
 
 async def test_a_plain_reader_waits_for_the_whole_version(world):
