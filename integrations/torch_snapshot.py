@@ -34,7 +34,7 @@ from weightpull.tensors import cast_target, landed_now, normalize_dtype
 from weightpull.transport import Region, Transport
 from weightpull.transports import create_transport
 
-from .torch_tensors import TorchAdapter, tensor_at
+from .torch_tensors import TorchAdapter, tensor_at, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,8 @@ class SnapshotPublisher:
         **publisher_options: Any,
     ) -> None:
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
-        self.specs = [attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in specs]
+        given = list(specs)
+        self.specs = [attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in given]
         self.device = torch.device(device)
         self.stream = stream
         self._staging: Staging | None = None
@@ -219,6 +220,12 @@ class SnapshotPublisher:
         self._portal.call(functools.partial(self.publisher.reserve, self.specs, shard=sharding))
         if not stream or sharding is not None:  # a publish that snapshots needs the staging buffer: make it now too
             _ = self.staging
+        else:  # a streamed one casts into the slots: their views, and a first run of each cast, now too
+            layout = plan_layout(self.specs, bucket_bytes=self.publisher.bucket_bytes, align=self.publisher.align)
+            casts = {(torch_dtype(g.dtype), torch_dtype(s.dtype)) for g, s in zip(given, self.specs, strict=True)}
+            for slot in self.publisher.slots:
+                if slot.region is not None:
+                    self._adapter.warm(slot.region, layout, casts, self.device)
         self._last: Ticket | None = None
         self._reported: Ticket | None = None  # whose failure was logged
 

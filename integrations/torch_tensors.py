@@ -4,7 +4,7 @@ of a mirror as tensors. The only module of the core's path that imports torch.""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import anyio
 import torch
@@ -59,6 +59,26 @@ class TorchAdapter:
         if view is None:
             view = kept[1][placement] = tensor_at(region, placement)
         return view
+
+    def warm(
+        self,
+        region: Region,
+        layout: Layout,
+        casts: Iterable[tuple[torch.dtype, torch.dtype]],
+        device: torch.device,
+    ) -> None:
+        """Before the first publish into `region`: make the views a version of `layout`
+        writes, and run each cast (source dtype, slot dtype) once on scratch tensors of
+        `device`, so that the first streamed publish queues as fast as the rest (a fresh
+        process loads each kernel at its first launch)."""
+        for placement in layout.placements:
+            self._view(region, placement)
+        with torch.no_grad():
+            for source, target in casts:
+                into = [torch.empty(2, dtype=target, device=region.device) for _ in range(2)]
+                torch._foreach_copy_(into, [torch.zeros(2, dtype=source, device=device)] * 2, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
         if not isinstance(value, torch.Tensor):
