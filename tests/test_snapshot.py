@@ -42,6 +42,21 @@ def test_slots_are_reserved_when_it_starts(snapshot):
     assert sizes.pop() >= sum(s.nbytes for s in snap.specs)
 
 
+def test_a_streaming_one_makes_its_slots_views_when_it_starts(snapshot):
+    """A streamed publish casts into the slot's views: made at start, and the ones the
+    first publish uses, so that it queues its casts as fast as the rest."""
+    snap, _ = snapshot
+    views = snap._adapter._views
+    if not snap.stream:
+        assert not views  # the staged one copies from staging, made when the version is
+        return
+    made = {id(slot.region): dict(views[id(slot.region)][1]) for slot in snap.publisher.slots}
+    assert all(len(kept) == len(snap.specs) for kept in made.values())
+    snap.publish(1, params(1).items()).result(timeout=10)
+    used = views[id(snap.publisher.slots[0].region)][1]
+    assert all(used[p] is made[id(snap.publisher.slots[0].region)][p] for p in used)
+
+
 def test_each_version_arrives_cast_and_whole(snapshot):
     snap, registry = snapshot
     for version in (1, 2, 3):
