@@ -19,14 +19,26 @@ BLAKE2b-128, as `Publisher(digests=True)` records them. Two kinds:
   It catches any change to one word, swapped words and a bucket of another version, but
   not bytes made on purpose to match: it is not a MAC. Use it between replicas of one job
   that trust each other's code; across a trust boundary use ``blake2b128``.
+
+`digest` computes either over host bytes: wsum64 with numpy where it is importable (the
+torch extra brings it), else with the pure-Python `wsum64_reference`, which is also the
+oracle its tests hold it to. `weightpull.integrations.torch_digests` computes wsum64 with
+tensor ops on any device, for slots on a GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import DigestMismatchError, InvalidArgumentError
+
+_np: Any
+try:
+    import numpy as _np
+except ImportError:  # the base install: the pure-Python sums
+    _np = None
 
 BLAKE2B128 = "blake2b128"
 WSUM64 = "wsum64"
@@ -34,22 +46,71 @@ KINDS = (BLAKE2B128, WSUM64)
 _MASK = (1 << 64) - 1
 
 
-def _wsum64(data: memoryview | bytes) -> str:
+def wsum64_reference(data: memoryview | bytes) -> tuple[int, int]:
+    """(s1, s2) of `data`, the pure-Python reference: slow, and the oracle."""
     raw = bytes(data)
     raw += b"\0" * (-len(raw) % 8)
     words = memoryview(raw).cast("Q") if raw else memoryview(b"").cast("Q")
     s1 = sum(words) & _MASK
     s2 = sum((i + 1) * w for i, w in enumerate(words)) & _MASK
-    return f"{s1:016x}{s2:016x}"
+    return s1, s2
+
+
+# The words as rows of _COLS: s2 = sum over (r, c) of (r*_COLS + c + 1) * w[r, c]
+#   = _COLS * sum_r r * rowsum[r] + sum_c (c + 1) * colsum[c],
+# so two reductions per block and no temporary the size of the bucket. A block of
+# _BLOCK_ROWS rows (1 MiB) is read by both while it is still in the cache.
+_COLS = 512
+_BLOCK_ROWS = 256
+_weights: tuple[Any, Any] | None = None  # numpy's 0.._BLOCK_ROWS-1 and 1.._COLS, made once
+
+
+def _wsum64_numpy(data: memoryview | bytes) -> tuple[int, int]:
+    global _weights
+    np = _np
+    assert np is not None
+    if _weights is None:
+        _weights = (np.arange(_BLOCK_ROWS, dtype=np.uint64), np.arange(1, _COLS + 1, dtype=np.uint64))
+    row_weights, col_weights = _weights
+    raw = memoryview(data).cast("B")
+    whole = raw.nbytes // 8
+    words = np.frombuffer(raw, dtype="<u8", count=whole)
+    rows = whole // _COLS
+    matrix = words[: rows * _COLS].reshape(rows, _COLS)
+    s1 = s2 = 0  # Python ints: exact, masked at the end
+    for start in range(0, rows, _BLOCK_ROWS):
+        block = matrix[start : start + _BLOCK_ROWS]
+        rowsum = block.sum(axis=1, dtype=np.uint64)  # numpy's uint64 arithmetic wraps modulo 2**64
+        colsum = block.sum(axis=0, dtype=np.uint64)
+        total = int(rowsum.sum(dtype=np.uint64))
+        s1 += total
+        weighted = int((row_weights[: len(rowsum)] * rowsum).sum(dtype=np.uint64))
+        s2 += _COLS * (start * total + weighted) + int((col_weights * colsum).sum(dtype=np.uint64))
+    tail = words[rows * _COLS :]  # fewer than _COLS words past the last row
+    if len(tail):
+        s1 += int(tail.sum(dtype=np.uint64))
+        s2 += rows * _COLS * int(tail.sum(dtype=np.uint64)) + int(
+            (col_weights[: len(tail)] * tail).sum(dtype=np.uint64)
+        )
+    if raw.nbytes > whole * 8:  # a last word short of 8 bytes, zero-padded
+        w = int.from_bytes(raw[whole * 8 :], "little")
+        s1 += w
+        s2 += (whole + 1) * w
+    return s1 & _MASK, s2 & _MASK
+
+
+def wsum64_hex(s1: int, s2: int) -> str:
+    """A wsum64 digest from its two sums, as recorded."""
+    return f"{WSUM64}:{s1 & _MASK:016x}{s2 & _MASK:016x}"
 
 
 def digest(data: memoryview | bytes, kind: str = BLAKE2B128) -> str:
-    """The digest of one bucket's bytes, as the publisher records it (``kind:hex``).
-    This is the reference; a GPU adapter computes ``wsum64`` with tensor ops."""
+    """The digest of one bucket's host bytes, as the publisher records it (``kind:hex``).
+    For a bucket on a GPU, `weightpull.integrations.torch_digests` gives the same wsum64."""
     if kind == BLAKE2B128:
         return f"{BLAKE2B128}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
     if kind == WSUM64:
-        return f"{WSUM64}:{_wsum64(data)}"
+        return wsum64_hex(*(wsum64_reference(data) if _np is None else _wsum64_numpy(data)))
     raise InvalidArgumentError(f"unknown digest kind {kind!r} (known: {', '.join(KINDS)})")
 
 

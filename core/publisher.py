@@ -24,6 +24,7 @@ import anyio.lowlevel
 import attrs
 
 from .clock import Clock, MonotonicClock
+from .digests import BLAKE2B128, KINDS, WSUM64, digest, kind_of
 from .errors import (
     InvalidArgumentError,
     NoFreeSlotError,
@@ -61,6 +62,12 @@ _YIELD_EVERY = 32
 # after the first (copies that cannot be asked without blocking must not all land
 # unmarked): started earlier, it contends for the GIL with the loop queueing the copies.
 _QUEUE_ALONE = 0.02
+
+# What computes the wsum64 digests of a slot on a device, where it lies: given the slot
+# and each bucket's (offset, nbytes), each bucket's digest (``wsum64:<hex>``). Called in a
+# worker thread once the version's copies landed. The torch integration's is
+# `weightpull.integrations.torch_digests.wsum64_digests`.
+Digester = Callable[[Region, Sequence[tuple[int, int]]], Sequence[str]]
 
 
 class WhenFull(enum.Enum):
@@ -119,6 +126,18 @@ def default_name(registry: Registry) -> str:
 
 
 class Publisher:
+    """Publishes versions into `num_slots` slots on `device` (see `publish`).
+
+    `digests` records a digest per bucket in each manifest, which readers from relays
+    check (weightpull.digests): False records none; True BLAKE2b-128 of a host slot, as
+    bare hex (what manifests have always held); ``"blake2b128"`` or ``"wsum64"`` that kind,
+    as ``kind:hex``. Each is computed where the slot lies, once the version's copies
+    landed: a host slot's on the CPU in a worker thread (wsum64 with numpy, at memory
+    speed); a slot on a device records only wsum64 (BLAKE2b would first copy the slot to
+    the host), computed there by `digester` (`Digester`), which the framework's
+    integration supplies: `SnapshotPublisher` passes the torch one, and so must whoever
+    makes a Publisher with a GPU slot and digests. A sharded version records none."""
+
     def __init__(
         self,
         registry: Registry,
@@ -131,7 +150,8 @@ class Publisher:
         poll_interval: float = 0.05,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         align: int = DEFAULT_ALIGN,
-        digests: bool = False,
+        digests: bool | str = False,
+        digester: Digester | None = None,
         stream: bool = False,
         device: str = "cpu",
         name: str | None = None,
@@ -144,8 +164,19 @@ class Publisher:
             )
         if wait_timeout < 0 or poll_interval <= 0:
             raise InvalidArgumentError("wait_timeout must be >= 0 and poll_interval > 0")
-        if digests and device != "cpu":
-            raise InvalidArgumentError("digests are computed on host slots only (device='cpu')")
+        if not isinstance(digests, bool) and digests not in KINDS:
+            raise InvalidArgumentError(f"digests must be a bool or one of {', '.join(KINDS)}; got {digests!r}")
+        kind = BLAKE2B128 if digests is True else digests or None
+        if kind == BLAKE2B128 and device != "cpu":
+            raise InvalidArgumentError(
+                f"{BLAKE2B128} digests are computed on host slots only, not on {device!r}: "
+                f"pass digests={WSUM64!r} (computed on the slot's device) or device='cpu'"
+            )
+        if kind == WSUM64 and device != "cpu" and digester is None:
+            raise InvalidArgumentError(
+                f"{WSUM64} digests of a slot on {device!r} are computed there: pass "
+                "digester=weightpull.integrations.torch_digests.wsum64_digests (SnapshotPublisher does)"
+            )
         self.registry = registry
         self.transport = transport
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
@@ -158,6 +189,8 @@ class Publisher:
         self.bucket_bytes = bucket_bytes
         self.align = align
         self.digests = digests
+        self.digest_kind: str | None = kind  # None: no digests
+        self.digester = digester
         self.stream = stream
         if stream:  # refused now, not at the first publish
             as_streaming(registry)
@@ -547,10 +580,23 @@ class Publisher:
             await self.clock.sleep(min(self.poll_interval, max(0.0, deadline - self.clock.now())))
 
     async def _digests(self, region: Region, layout: Layout) -> tuple[str, ...]:
+        """Each bucket's digest, computed where the slot lies (the class's docstring)."""
+        spans = [(b.offset, b.nbytes) for b in layout.buckets]
+        kind, bare = self.digest_kind, self.digests is True
+        assert kind is not None
+        if self.device != "cpu":
+            assert self.digester is not None
+            digester = self.digester
+            got = tuple(await anyio.to_thread.run_sync(lambda: digester(region, spans)))
+            if len(got) != len(spans) or any(kind_of(d) != WSUM64 for d in got):
+                raise InvalidArgumentError(f"the digester gave {got[:3]}... for {len(spans)} buckets, not wsum64 ones")
+            return got
         view = region.host_view()
 
         def digest_all() -> tuple[str, ...]:
-            return tuple(bucket_digest(view[b.offset : b.offset + b.nbytes]) for b in layout.buckets)
+            if bare:  # digests=True: BLAKE2b as bare hex, as manifests have always held it
+                return tuple(bucket_digest(view[o : o + n]) for o, n in spans)
+            return tuple(digest(view[o : o + n], kind) for o, n in spans)
 
         return await anyio.to_thread.run_sync(digest_all)
 

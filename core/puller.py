@@ -23,7 +23,7 @@ import attrs
 
 from . import transports
 from .clock import Clock, MonotonicClock
-from .digests import verify_bucket
+from .digests import matches, verify_bucket
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -41,7 +41,7 @@ from .errors import (
     first_error,
 )
 from .layout import Layout
-from .manifest import Manifest, bucket_digest
+from .manifest import Manifest
 from .principals import Principal
 from .records import Progress
 from .registry import Lease, Registry, RelayingRegistry, ReservingRegistry, as_streaming
@@ -768,7 +768,7 @@ class Puller:
             for b, want in zip(
                 manifest.layout.buckets, manifest.digests or (), strict=False
             ):  # no digests: nothing to check
-                if bucket_digest(view[b.offset : b.offset + b.nbytes]) != want:
+                if not matches(view[b.offset : b.offset + b.nbytes], want):  # any kind the publisher recorded
                     return b.index
             return None
 

@@ -6,10 +6,21 @@ import hashlib
 import os
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightpull.digests import BLAKE2B128, WSUM64, check_servable, digest, kind_of, matches, verify_bucket
+from weightpull import digests
+from weightpull.digests import (
+    BLAKE2B128,
+    WSUM64,
+    check_servable,
+    digest,
+    kind_of,
+    matches,
+    verify_bucket,
+    wsum64_hex,
+    wsum64_reference,
+)
 from weightpull.errors import DigestMismatchError, InvalidArgumentError
 from weightpull.manifest import bucket_digest
 
@@ -65,3 +76,45 @@ def test_bad_kinds_are_refused():
         digest(b"x", "crc32")
     with pytest.raises(InvalidArgumentError, match="non-empty string"):
         kind_of("")
+
+
+def reference(data: bytes) -> str:
+    return wsum64_hex(*wsum64_reference(data))
+
+
+# Sizes around every edge of the fast path: empty, a part word, whole rows, whole blocks
+# of rows, and tails of words and of bytes past them.
+_ROW = 8 * digests._COLS
+_BLOCK = _ROW * digests._BLOCK_ROWS
+EDGES = [0, 1, 7, 8, 9, _ROW - 1, _ROW, _ROW + 3, _BLOCK - 8, _BLOCK, _BLOCK + 1, 2 * _BLOCK + _ROW + 13]
+
+
+@pytest.mark.parametrize("nbytes", EDGES)
+def test_fast_wsum64_equals_the_reference_at_the_edges(nbytes):
+    data = os.urandom(nbytes)
+    assert digests._np is not None  # the test environment has numpy: the fast path is what runs
+    assert digest(data, WSUM64) == reference(data)
+    assert digest(memoryview(bytearray(data)), WSUM64) == reference(data)  # a slot's view, as published
+
+
+@settings(deadline=None, max_examples=60)  # the reference takes a while over megabytes
+@given(st.integers(0, 3 * _BLOCK + 2 * _ROW + 7), st.sampled_from([0x00, 0xFF, None]), st.randoms())
+def test_fast_wsum64_equals_the_reference(nbytes, fill, rnd):
+    """Random sizes, and words of all ones (every sum overflows many times)."""
+    data = bytes([fill]) * nbytes if fill is not None else rnd.randbytes(nbytes)
+    assert digest(data, WSUM64) == reference(data)
+
+
+@given(st.binary(max_size=64), st.integers(0, 7))
+def test_fast_wsum64_of_a_view_at_any_offset(data, skip):
+    """A bucket's view need not start on a word of its slot."""
+    view = memoryview(bytearray(b"\xaa" * skip + data))[skip:]
+    assert digest(view, WSUM64) == reference(data)
+
+
+def test_without_numpy_the_reference_computes_wsum64(monkeypatch):
+    data = os.urandom(_ROW + 5)
+    fast = digest(data, WSUM64)
+    monkeypatch.setattr(digests, "_np", None)
+    monkeypatch.setattr(digests, "_wsum64_numpy", None)  # never reached
+    assert digest(data, WSUM64) == fast == reference(data)
