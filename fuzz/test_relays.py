@@ -1,14 +1,19 @@
 """Relays as a Hypothesis state machine: sources that come and go under readers.
 
-Rules interleave a trainer's publishes; replicas (each a principal of its own, on one of
-two hosts) that start pulls with `host=`, offer their mirrors as relays, die mid-serve
-(their transport closes and they fall silent, so their liveness lapses), or turn hostile
-(a byte of an offered mirror flipped); and time, timer by timer. Reads are slow (every
-read takes fake time), so deaths land mid-read. A reader whose relay fails must choose
-again. Invariants: every copy a pull hands on holds exactly one version's bytes, those the
+Rules interleave a trainer's publishes; a second trainer's streams, driven bucket by
+bucket (begun, buckets landed and marked, committed with or without digests, or aborted
+midway); replicas (each a principal of its own) that start pulls with `host=`, plain,
+streaming, or streaming and relaying what they receive (`relay=True`: offered once a
+bucket lands, the count held advanced as more do); replicas that offer their mirrors as
+relays, die mid-serve (their transport closes and they fall silent, so their liveness
+lapses), turn hostile (a byte of an offered mirror flipped) or lie about how many
+buckets they hold; and time, timer by timer. Reads are slow (every read takes fake
+time), so deaths land mid-read and mid-stream. A reader whose relay fails must choose
+again. Invariants: every copy a pull hands on holds exactly one version's bytes, those its
 trainer published (never two versions' or two sources'); the registry's book of relays
-holds (no source over its cap, no lease at its own holder); and a replica silent past its
-liveness TTL offers nothing.
+holds (no source over its cap, no lease at its own holder); no offer claims more buckets
+than its version's publisher committed, nor outlives an aborted stream; and a replica
+silent past its liveness TTL offers nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ from hypothesis.stateful import (
 
 from weightpull import FakeClock, InProcessRegistry, Principal, Publisher, Puller, WeightpullError, WhenFull
 from weightpull.drivers.fake import FakeFabric, FakeFaults, FakeTransport
+from weightpull.errors import VersionOrderError
+from weightpull.layout import TensorSpec, plan_layout
+from weightpull.manifest import Manifest, bucket_digest
 from weightpull.relays import ORIGIN
+from weightpull.states import VersionState
 from weightpull.tensors import HostTensor
 
 from .harness import Loop
@@ -47,12 +56,71 @@ def tensors(version: int) -> dict[str, HostTensor]:
     }
 
 
+KINDS = ("plain", "stream", "relay")  # how a replica pulls: READY only, streamed, streamed and relayed
+
+
+class Streamer:
+    """A trainer whose streams the rules drive by hand: each bucket lands in its slot and
+    is marked when a rule says, so readers and relays meet every interleaving."""
+
+    name = "streamer"
+    LAYOUT = plan_layout([TensorSpec(f"t{i}", "uint8", (n,)) for i, n in enumerate(SIZES)], bucket_bytes=1024)
+
+    def __init__(self, registry: InProcessRegistry, fabric: FakeFabric, clock: FakeClock) -> None:
+        self.registry = registry
+        self.transport = FakeTransport(clock=clock, fabric=fabric)
+        self.slots = 0
+        self.version: int | None = None  # the stream in flight
+        self.region = None
+        self.landed = 0
+
+    @property
+    def buckets(self) -> int:
+        return len(self.LAYOUT.buckets)
+
+    async def begin(self) -> int:
+        version = await self.registry.begin(publisher=self.name, slot=self.slots)
+        self.region = self.transport.allocate(self.LAYOUT.total_bytes, "cpu")
+        manifest = Manifest(version, self.LAYOUT, "fake", self.transport.export(self.region), self.slots, self.name)
+        self.slots += 1
+        await self.registry.stream(manifest)
+        self.version, self.landed = version, 0
+        return version
+
+    async def land(self, count: int) -> None:
+        """The next `count` buckets copied into the slot, then marked."""
+        assert self.version is not None and self.region is not None
+        view, data = self.region.host_view(), tensors(self.version)
+        for bucket in self.LAYOUT.buckets[self.landed : self.landed + count]:
+            for name in bucket.names:
+                p = self.LAYOUT[name]
+                view[p.offset : p.end] = data[name].data
+        self.landed = min(self.buckets, self.landed + count)
+        await self.registry.mark(self.version, self.landed)
+
+    async def commit(self, digests: bool) -> None:
+        assert self.version is not None and self.region is not None and self.landed == self.buckets
+        view = self.region.host_view()
+        found = [bucket_digest(view[b.offset : b.offset + b.nbytes]) for b in self.LAYOUT.buckets] if digests else None
+        version, self.version = self.version, None
+        await self.registry.commit_stream(version, found)
+
+    async def abort(self) -> None:
+        assert self.version is not None
+        version, self.version = self.version, None
+        await self.registry.abort(version, "injected: the streaming trainer died")
+
+
 class Replica:
-    def __init__(self, index: int, registry: InProcessRegistry, fabric: FakeFabric, clock: FakeClock) -> None:
+    def __init__(
+        self, index: int, registry: InProcessRegistry, fabric: FakeFabric, clock: FakeClock, kind: str
+    ) -> None:
         self.name = f"replica{index}"
+        self.kind = kind
         self.principal = Principal.reader(self.name)
         self.registry = registry.as_principal(self.principal)
-        self.transport = FakeTransport(clock=clock, fabric=fabric, faults=FakeFaults(delay=0.25))
+        self.faults = FakeFaults(delay=0.25)  # live: a program may slow one replica down
+        self.transport = FakeTransport(clock=clock, fabric=fabric, faults=self.faults)
         self.puller = Puller(
             self.registry,
             self.transport,
@@ -62,6 +130,9 @@ class Replica:
             clock=clock,
             stall_timeout=3.0,
             verify_digests=False,  # bytes from relays are checked regardless: what this fuzzes
+            stream=kind != "plain",
+            relay=kind == "relay",
+            relay_cap=2 if kind == "relay" else None,
         )
         self.task: asyncio.Task | None = None
         self.dead = False
@@ -77,8 +148,8 @@ class RelayMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop: Loop | None = None
 
-    @initialize(replicas=st.integers(2, 4))
-    def start(self, replicas: int) -> None:
+    @initialize(kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=4))
+    def start(self, kinds: list[str]) -> None:
         example()
         self.clock = FakeClock()
         self.loop = Loop(self.clock)
@@ -95,15 +166,53 @@ class RelayMachine(RuleBasedStateMachine):
             clock=self.clock,
         )
         self.version = 0
-        self.replicas = [Replica(i, self.registry, self.fabric, self.clock) for i in range(replicas)]
+        self.contents: dict[int, dict[str, HostTensor]] = {}  # version -> the bytes its trainer published
+        self.streamer = Streamer(self.registry, self.fabric, self.clock)
+        self.accepted: list[tuple[str, int]] = []  # (replica, version) of every copy handed on
+        self.replicas = [Replica(i, self.registry, self.fabric, self.clock, k) for i, k in enumerate(kinds)]
         self.publish()
 
     # -- the trainer and the replicas ----------------------------------------------------
 
-    @rule()
-    def publish(self) -> None:
+    @rule(draw=st.integers(0, 2))
+    def publish(self, draw: int = 0) -> None:
+        if self.streamer.version is not None and draw:  # mostly not over a stream: it could never commit
+            return
         self.version += 1
-        self.loop.run(self.publisher.publish, self.version, tensors(self.version))
+        result = self.loop.run(self.publisher.publish, self.version, tensors(self.version))
+        if not result.skipped:
+            self.contents[result.version] = tensors(self.version)
+
+    @rule()
+    def begin_stream(self) -> None:
+        if self.streamer.version is None:
+            version = self.loop.run(self.streamer.begin)
+            self.contents[version] = tensors(version)
+            event("stream begun")
+
+    @rule(count=st.integers(1, 2))
+    def land(self, count: int) -> None:
+        if self.streamer.version is not None and self.streamer.landed < self.streamer.buckets:
+            self.loop.run(self.streamer.land, count)
+
+    @rule(digests=st.booleans())
+    def commit_stream(self, digests: bool) -> None:
+        if self.streamer.version is not None and self.streamer.landed == self.streamer.buckets:
+            version = self.streamer.version
+            try:
+                self.loop.run(self.streamer.commit, digests)
+            except VersionOrderError:  # a newer version was announced meanwhile: this one can never be
+                self.streamer.version = version
+                self.loop.run(self.streamer.abort)
+                event("stream overtaken")
+                return
+            event("stream committed" if digests else "stream committed without digests")
+
+    @rule(draw=st.integers(0, 2))
+    def abort_stream(self, draw: int) -> None:
+        if self.streamer.version is not None and draw == 0:  # a third as often: most streams run on
+            self.loop.run(self.streamer.abort)
+            event("stream aborted")
 
     def _alive_idle(self, pick: int) -> Replica | None:
         live = [r for r in self.replicas if not r.dead and not r.busy]
@@ -126,10 +235,10 @@ class RelayMachine(RuleBasedStateMachine):
         except WeightpullError:  # its version was retired meanwhile: not offerable
             event("offer refused")
 
-    @rule(pick=st.integers(0, 3), relay=st.booleans())
-    def die(self, pick: int, relay: bool) -> None:
+    @rule(pick=st.integers(0, 3), relay=st.booleans(), draw=st.integers(0, 2))
+    def die(self, pick: int, relay: bool, draw: int = 0) -> None:
         live = [r for r in self.replicas if not r.dead]
-        if len(live) <= 1:
+        if len(live) <= 1 or draw:  # a third as often: replicas mostly live long enough to relay
             return
         relays = [r for r in live if r.puller.offered is not None]
         live = relays if relay and relays else live
@@ -148,9 +257,34 @@ class RelayMachine(RuleBasedStateMachine):
             mirror.host_view()[at] ^= 0x5A
             event("hostile relay")
 
+    @rule(pick=st.integers(0, 3), extra=st.integers(1, 3))
+    def lie(self, pick: int, extra: int) -> None:
+        """A relay says it holds more buckets than it does (up to what its version's
+        publisher committed: the registry refuses more)."""
+        book = self.registry.machine.relays
+        lying = [
+            (r, o)
+            for r in self.replicas
+            if not r.dead
+            for v in range(self.version + self.streamer.slots + 2)
+            for o in book.offers(v)
+            if o.holder == r.name and o.landed is not None
+        ]
+        if not lying:
+            return
+        replica, offer = lying[pick % len(lying)]
+        committed = self.registry.machine.progress(offer.version).committed
+        try:
+            self.registry.machine.mark_offer(
+                offer.version, min(committed, offer.landed + extra), holder=replica.name, by=replica.principal
+            )
+            event("a relay lied about its count")
+        except WeightpullError:
+            event("a lie refused")
+
     @rule(dt=st.integers(1, 8).map(lambda n: n / 4))
     def time_passes(self, dt: float) -> None:
-        self.registry.machine.keepalive((self.publisher.name,))  # the trainer is alive throughout
+        self.registry.machine.keepalive((self.publisher.name, self.streamer.name))  # the trainers are alive throughout
         for replica in self.replicas:  # a live client's heartbeat
             if not replica.dead:
                 self.registry.machine.keepalive((), by=replica.principal)
@@ -171,9 +305,10 @@ class RelayMachine(RuleBasedStateMachine):
                 event(type(exc).__name__)
                 continue
             pulled = task.result()
-            want = tensors(pulled.version)
+            want = self.contents[pulled.version]
             assert all(bytes(pulled.view(n)) == t.data for n, t in want.items()), f"a mixed copy of v{pulled.version}"
-            event("copy accepted")
+            event("copy accepted" if replica.kind == "plain" else f"copy accepted ({replica.kind})")
+            self.accepted.append((replica.name, pulled.version))
 
     @invariant()
     def the_book_holds(self) -> None:
@@ -184,15 +319,23 @@ class RelayMachine(RuleBasedStateMachine):
         book = self.registry.machine.relays
         if any(book.source_of(i) not in (None, ORIGIN) for i in book.placed()):
             event("a lease reads from a relay")
+        for offer in self.registry.machine.status().offers:
+            progress = self.registry.machine.progress(offer.version)
+            assert progress.state is not VersionState.ABORTED, f"an aborted v{offer.version} is still offered"
+            assert offer.landed <= progress.committed, f"{offer.holder} claims more of v{offer.version} than exists"
+            if offer.landed < offer.buckets:
+                event("a relay offers a version still arriving")
         now = self.clock.now()
         silent = {r.name for r in self.replicas if r.dead and now - r.died_at > LIVENESS}
-        offered = {o.holder for v in range(1, self.version + 1) for o in self.registry.machine.relays.offers(v)}
+        offered = {o.holder for o in self.registry.machine.status().offers}
         assert not offered & silent, f"lapsed replicas still offer: {offered & silent}"
 
     def teardown(self) -> None:
         if self.loop is None:
             return
         try:
+            if self.streamer.version is not None:  # a stream left open would keep its readers waiting
+                self.loop.run(self.streamer.abort)
             for replica in self.replicas:
                 if replica.busy:
                     self.loop.finish(replica.task, 60.0)  # every pull ends, one way or another
@@ -224,7 +367,7 @@ def test_replay_a_hostile_relays_bytes_are_never_accepted(monkeypatch) -> None:
     monkeypatch.setattr(anyio.to_thread, "run_sync", _inline)
     machine = RelayMachine()
     try:
-        machine.start(replicas=2)
+        machine.start(kinds=["plain", "plain"])
         machine.start_pull(0)
         machine.time_passes(2.0)
         machine.offer(0, None)
@@ -236,5 +379,72 @@ def test_replay_a_hostile_relays_bytes_are_never_accepted(monkeypatch) -> None:
         machine.time_passes(2.0)
         machine.time_passes(2.0)
         machine.the_book_holds()
+    finally:
+        machine.teardown()
+
+
+def relayed_stream(monkeypatch, *, then) -> RelayMachine:
+    """A program written out: replica0 relays a stream it is still receiving, replica1
+    (same host) is handed replica0 while the stream runs; `then(machine)` does the rest."""
+    monkeypatch.setattr(anyio.to_thread, "run_sync", _inline)
+    machine = RelayMachine()
+    machine.start(kinds=["relay", "stream"])
+    machine.begin_stream()  # v2, after the trainer's v1
+    machine.start_pull(0)
+    machine.land(1)
+    machine.time_passes(0.5)  # replica0 reads bucket 0, then offers its mirror
+    assert machine.registry.machine.relays.offer_of(2, "replica0").landed == 1
+    machine.start_pull(1)
+    book = machine.registry.machine.relays
+    assert sorted(book.source_of(i) for i in book.placed()) == [ORIGIN, "replica0"]
+    then(machine)
+    return machine
+
+
+def finish_stream(machine: RelayMachine) -> None:
+    for _ in range(4):
+        machine.land(1)
+        machine.time_passes(0.5)
+    machine.commit_stream(True)
+    for _ in range(6):
+        machine.time_passes(1.0)
+
+
+def test_replay_a_relay_forwards_a_stream_it_still_receives(monkeypatch) -> None:
+    machine = relayed_stream(monkeypatch, then=finish_stream)
+    try:
+        assert sorted(machine.accepted) == [("replica0", 2), ("replica1", 2)]
+        assert machine.replicas[1].puller.metrics()["pull/failed"] == 0  # from the relay, all of it
+    finally:
+        machine.teardown()
+
+
+def test_replay_a_relay_that_dies_mid_stream_sends_its_reader_to_the_origin(monkeypatch) -> None:
+    def die_then_finish(machine: RelayMachine) -> None:
+        machine.land(1)
+        machine.time_passes(0.5)
+        machine.die(0, relay=True)
+        finish_stream(machine)
+
+    machine = relayed_stream(monkeypatch, then=die_then_finish)
+    try:
+        assert machine.accepted == [("replica1", 2)]
+    finally:
+        machine.teardown()
+
+
+def test_replay_a_relay_that_lies_about_its_count_yields_no_copy_of_it(monkeypatch, caplog) -> None:
+    def lie_then_finish(machine: RelayMachine) -> None:
+        machine.replicas[0].faults.delay = 3.0  # the relay's own reads lag far behind its word
+        machine.land(2)  # the publisher committed every bucket; replica0 holds one so far
+        machine.lie(0, 2)
+        assert machine.registry.machine.relays.offer_of(2, "replica0").landed == 3
+        finish_stream(machine)
+
+    machine = relayed_stream(monkeypatch, then=lie_then_finish)
+    try:
+        assert "relay 'replica0' failed v2" in caplog.text and "digest" in caplog.text  # it read the lie
+        assert ("replica1", 2) in machine.accepted  # then a copy from the origin alone
+        assert machine.replicas[1].puller.metrics()["pull/failed"] == 0
     finally:
         machine.teardown()
