@@ -34,6 +34,7 @@ from weightpull.tensors import cast_target, landed_now, normalize_dtype
 from weightpull.transport import Region, Transport
 from weightpull.transports import create_transport
 
+from .torch_digests import wsum64_digests
 from .torch_tensors import TorchAdapter, tensor_at, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,10 @@ class SnapshotPublisher:
     staging buffer, `slot_device` the slots (a GPU for drivers that read GPU memory
     directly, such as cuda_ipc). `specs` are the
     tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). Other
-    options go to the `Publisher`. Use it from one thread; `close()` when done (which
-    closes the registry too if it made it, or if `close_registry`)."""
+    options go to the `Publisher`: `digests="wsum64"` on a GPU slot is computed there,
+    with torch (`torch_digests.wsum64_digests`, the `digester` passed unless given).
+    Use it from one thread; `close()` when done (which closes the registry too if it
+    made it, or if `close_registry`)."""
 
     def __init__(
         self,
@@ -206,6 +209,7 @@ class SnapshotPublisher:
         # Copies out of staging on a side stream: queued behind none of the trainer's kernels.
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._adapter = TorchAdapter(side)
+        publisher_options.setdefault("digester", wsum64_digests)  # a GPU slot's digests, computed there
         self.publisher = Publisher(
             registry,
             transport,
