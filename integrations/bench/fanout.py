@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import attrs
 
+from weightpull.digests import KINDS
 from weightpull.errors import InvalidArgumentError
 from weightpull.transport import WrappedTransport
 
@@ -44,6 +45,9 @@ MAX_REPLICAS = 16  # hosts.MAX_HOSTS less the trainer's
 # needs the owner's progress): every 5 ms, not the driver's 1 ms, spent 6% less CPU in a
 # relayed run of 8 on 2 cores (7.57 against 8.05 core-seconds); 20 ms slowed one copy.
 DEFAULT_PROGRESS_S = 0.005
+# What readers of a relayed run check: replicas of one job, so the cheap checksum (a
+# 256 MiB copy: 0.015 core-s against BLAKE2b's 0.28).
+DEFAULT_DIGEST = "wsum64"
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ async def _trainer(cfg: dict[str, Any]) -> None:
         rollout_dtype=None,
         bucket_bytes=cfg["bucket"],
         name=f"trainer-{os.getpid()}",
-        digests=bool(cfg.get("digests")),  # what readers from relays check
+        digests=cfg["digests"] or False,  # a kind: what readers from relays check
     )
     result = await publisher.publish(1, _tensors(bench, data))
     assert result.manifest is not None
@@ -388,6 +392,7 @@ def run_fanout(
     relays: bool = False,
     cap: int | None = None,
     progress_s: float = DEFAULT_PROGRESS_S,
+    digest: str = DEFAULT_DIGEST,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """For each N in `replicas`: the time until N replicas, told to go at once, all hold the
@@ -395,7 +400,8 @@ def run_fanout(
     the source the registry's policy hands it (`weightpull.sources`), relays among them,
     each relay forwarding buckets as they land and every reader checking the publisher's
     digests. `cap`: live readers per source (None: no cap). `progress_s`: how often the
-    trainer and each relay poll NIXL for their readers' progress."""
+    trainer and each relay poll NIXL for their readers' progress. `digest`: the kind the
+    publisher records for relayed runs (`weightpull.digests`)."""
     if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
         raise InvalidArgumentError(f"replicas must be positive ints, got {list(replicas)!r}")
     if size <= 0 or bucket <= 0:
@@ -405,7 +411,10 @@ def run_fanout(
     with Hosts(most + 1, rate=rate) as hosts:
         say(f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0")
         trainer = _Proc(
-            hosts, 0, "trainer", {"size": size, "bucket": bucket, "digests": relays, "progress_s": progress_s}
+            hosts,
+            0,
+            "trainer",
+            {"size": size, "bucket": bucket, "digests": relays and digest, "progress_s": progress_s},
         )
         procs: list[_Proc] = []
         try:
@@ -461,6 +470,7 @@ def run_fanout(
         "relays": relays,
         "cap": cap,
         "progress_s": progress_s,
+        "digest": digest if relays else None,
         "cpus": os.cpu_count(),
         "rows": rows,
     }
@@ -497,6 +507,15 @@ def add_parser(figures: Any) -> None:
     p.add_argument("--cap", type=int, default=1, help="with relays, live readers per source (default: 1, a chain)")
     p.add_argument("--no-relays", action="store_true", help="measure only the direct reads from the trainer")
     p.add_argument(
+        "--digest",
+        choices=KINDS,
+        default=DEFAULT_DIGEST,
+        help="what the readers of the relayed run check each bucket against (the publisher's digests): "
+        "wsum64 (default) is a checksum, cheap (numpy, ~0.015 core-s per 256 MiB), catching corrupt, swapped "
+        "or stale buckets but not bytes a hostile relay made to match, for replicas of one job; blake2b128 "
+        "is cryptographic, catching those too, at ~1 GB/s a core (docs/fanout.md)",
+    )
+    p.add_argument(
         "--progress-ms",
         type=float,
         default=DEFAULT_PROGRESS_S * 1e3,
@@ -525,7 +544,7 @@ def run_command(args: Any) -> int:
     common = dict(size=size, bucket=bucket, rate=args.rate, progress_s=args.progress_ms / 1e3, say=say)
     runs = {"direct": run_fanout(counts(args.replicas), **common)}
     if not args.no_relays:
-        runs["relays"] = run_fanout(counts(args.replicas), relays=True, cap=args.cap, **common)
+        runs["relays"] = run_fanout(counts(args.replicas), relays=True, cap=args.cap, digest=args.digest, **common)
     for result in runs.values():
         simulated = {r["replicas"]: r for r in validate(result)}
         for row in result["rows"]:
@@ -540,7 +559,7 @@ def run_command(args: Any) -> int:
     print(
         f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}; direct: every replica "
         f"reads the trainer's slot; relays: each reads the source the policy hands it (cap {args.cap}), "
-        "relays forward buckets as they land, readers check the publisher's digests; simulated: the model "
+        f"relays forward buckets as they land, readers check the publisher's {args.digest} digests; simulated: the model "
         f"calibrated on the one-replica row, hosts sharing {os.cpu_count()} cores; cpu s: the bench's processes "
         "/ the machine's busy CPU-seconds over the run"
     )
