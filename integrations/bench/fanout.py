@@ -291,6 +291,8 @@ class _Ran:
     verify_cpu_s: float | None  # the first replica's check of its copy, off the clock
     busy_cpu_s: float  # the machine's (every process's, not only the bench's)
     wall_s: float
+    handed_s: list[float]
+    first_bucket_s: list[float | None]
 
 
 def _one_run(
@@ -325,15 +327,22 @@ def _one_run(
             asking.popleft()
             offered[chosen.name] = attrs.evolve(chosen, leases=chosen.leases + 1)
             parent[i], hops[i] = chosen.name, chosen.hops + 1
+            handed[i] = time.time() - go
             if chosen.name == "trainer":
                 procs[i].send(source=None)
             else:
-                readers[index[chosen.name]].append(i)
-                procs[i].send(source=ready[index[chosen.name]]["descriptor"])
+                relay = index[chosen.name]
+                readers[relay].append(i)
+                procs[i].send(source=ready[relay]["descriptor"])
+                # what the relay holds already: its next landing may be a bucket's time away
+                procs[i].send(mark=held[relay])
 
     trainer.send(cpu=True)
     trainer_cpu = trainer.expect("cpu")["cpu"]
     busy, total = busy_cpu_s()
+    handed: dict[int, float] = {}  # when each was handed its source, since go
+    first: dict[int, float] = {}  # when each said its first bucket landed (relays only)
+    held = [0] * len(procs)  # the whole buckets each holds, as it last said
     go = time.time()
     hand_out()
     ends: dict[int, dict[str, Any]] = {}
@@ -351,6 +360,8 @@ def _one_run(
                 while procs[i].lines:
                     message = procs[i].lines.pop(0)
                     if "landed" in message:
+                        first.setdefault(i, time.time() - go)
+                        held[i] = message["landed"]
                         for r in readers[i]:
                             procs[r].send(mark=message["landed"])
                         if relays and names[i] not in offered:  # it holds a bucket: it may serve
@@ -380,6 +391,8 @@ def _one_run(
         verify_cpu_s=cpus[0].get("verify_cpu_s"),
         busy_cpu_s=busy_end - busy,
         wall_s=wall,
+        handed_s=[handed[i] for i in range(len(procs))],
+        first_bucket_s=[first.get(i) for i in range(len(procs))],
     )
 
 
@@ -444,6 +457,9 @@ def run_fanout(
                     "procs_cpu_s": round(procs_cpu, 3),
                     "busy_cpu_s": round(ran.busy_cpu_s, 3),
                     "wall_s": round(ran.wall_s, 3),
+                    # since go: when each replica was handed its source, and (a relay) held its first bucket
+                    "handed_s": [round(t, 3) for t in ran.handed_s],
+                    "first_bucket_s": [None if t is None else round(t, 3) for t in ran.first_bucket_s],
                     "cpus": os.cpu_count(),
                     "loadavg": load,  # before the run: the machine is shared
                 }
