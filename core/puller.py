@@ -568,7 +568,12 @@ class Puller:
             mirror = self._mirror_for(manifest.layout)
             relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
             self._reading_from, self._forwarding = lease.source, self._forwarder(lease.version, manifest, mirror)
-            reads = self._reads(relayed)
+            try:
+                reads = self._reads(relayed)  # connects to the source
+            except TransportError as exc:
+                if lease.source:  # a relay gone before the first read: read it elsewhere
+                    raise _SourceFailed(lease.source, lease.version) from exc
+                raise
             self.mirror_version = None  # overwritten from here on
             try:
                 lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror)

@@ -12,9 +12,10 @@ Restart: the server keeps no state across runs, and every reply names its run ep
 On a new one this client replays what it told the old run and still stands by (each
 publisher's newest committed version, versions begun and not yet ended, what each
 replica serves), then resends the call. Leases are not replayed: the new run knows none,
-so a read under one fails its final check as torn and the puller retries. A client that
-publishes or reports serving sends a heartbeat (`keepalive`, naming the publisher and
-replica names it stands by), which keeps them alive at the registry and makes the replay
+so a read under one fails its final check as torn and the puller retries; nor are relays'
+offers (a relay offers again at its next pull). A client that publishes, reports serving
+or offers a relay sends a heartbeat (`keepalive`, naming the publisher, replica and relay
+names it stands by), which keeps them alive at the registry and makes the replay
 happen within about a second of a restart even while the trainer is between publishes.
 
 Who it is: with a key (`key=`, else `$WEIGHTPULL_KEY`: its secret certificate, and
@@ -176,6 +177,7 @@ class ZmqRegistry:
         # (version, publisher) -> (slot, shard): shard publishers of one version may share a client
         self._writing: dict[tuple[int, str], tuple[int, tuple[int, int] | None]] = {}
         self._serving: dict[str, int] = {}
+        self._relaying: dict[str, set[int]] = {}  # a relay's holder name -> the versions it offers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle: list[_Conn] = []
         self._adopting: anyio.Lock | None = None
@@ -283,12 +285,18 @@ class ZmqRegistry:
         extra = {k: v for k, v in (("cap", cap), ("landed", landed)) if v is not None}  # older servers: as ever
         text = base64.b64encode(descriptor).decode()
         await self._call("offer", version=version, holder=holder, host=host, descriptor=text, **extra)
+        self._relaying.setdefault(holder, set()).add(version)
+        self._start_heartbeat()  # its offers live while it does: an idle relay must not lapse
 
     async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
         await self._call("mark_offer", version=version, landed=landed, holder=holder)
 
     async def withdraw(self, version: int, *, holder: str) -> None:
         await self._call("withdraw", version=version, holder=holder)
+        offered = self._relaying.get(holder, set())
+        offered.discard(version)
+        if not offered:
+            self._relaying.pop(holder, None)
 
     async def readers_at(self, version: int, holder: str) -> int:
         return int(await self._call("readers_at", version=version, holder=holder))
@@ -626,6 +634,7 @@ class ZmqRegistry:
         """The publisher and replica names this client stands by, which its heartbeat
         keeps alive at the registry."""
         names = {*self._committed, *(p for _, p in self._writing), *(p for _, p in self._parts), *self._serving}
+        names |= set(self._relaying)
         return sorted(names)
 
     def _start_heartbeat(self) -> None:
