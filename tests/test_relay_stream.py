@@ -251,3 +251,30 @@ def test_status_shows_each_relays_offer_and_its_json_only_adds_them():
     ]
     assert RegistryStatus.from_dict(status.to_dict()) == status
     assert set(RegistryStatus(3, (), (), {}).to_dict()) == {"newest_ready", "versions", "leases", "serving"}
+
+
+async def test_an_idle_relays_client_keeps_its_offer_alive_and_a_dead_ones_lapses(tmp_path):
+    """A relay that only serves its mirror asks the registry nothing: its client's
+    heartbeat keeps its offer alive; once the client stops, the offer lapses."""
+    pytest.importorskip("zmq")
+    from weightpull.registry import connect_registry
+
+    from .served import ServedRegistry, make_keys
+
+    keys = make_keys(tmp_path / "keys", ("publisher", "trainer"), ("reader", "relay"))
+    served = ServedRegistry(tmp_path, keys=keys, args=("--liveness-ttl", "2"))  # heartbeats: every 1 s
+    served.start()
+    try:
+        async with connect_registry(served.address, **served.key("trainer")) as trainer:
+            await trainer.begin(1, publisher="trainer", slot=0)
+            await trainer.stream(Manifest(1, LAYOUT, "fake", b"src", 0, "trainer"))
+            await trainer.mark(1, 2)
+            relay = connect_registry(served.address, **served.key("relay"))
+            async with relay:
+                await relay.offer(1, holder="relay", host="h1", descriptor=b"m", landed=1)
+                await anyio.sleep(4.0)  # idle, past its liveness TTL
+                assert [o.holder for o in (await trainer.status()).offers] == ["relay"]
+            await anyio.sleep(4.0)  # its client closed: silent now
+            assert (await trainer.status()).offers == ()
+    finally:
+        served.stop()
