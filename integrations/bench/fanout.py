@@ -46,7 +46,7 @@ MAX_REPLICAS = 16  # hosts.MAX_HOSTS less the trainer's
 # relayed run of 8 on 2 cores (7.57 against 8.05 core-seconds); 20 ms slowed one copy.
 DEFAULT_PROGRESS_S = 0.005
 # What readers of a relayed run check: replicas of one job, so the cheap checksum (a
-# 256 MiB copy: 0.015 core-s against BLAKE2b's 0.28).
+# 256 MiB copy checked in 0.02 core-s against BLAKE2b's 0.29).
 DEFAULT_DIGEST = "wsum64"
 
 
@@ -511,7 +511,7 @@ def add_parser(figures: Any) -> None:
         "shaped with tc to RATE, NIXL over TCP between them; the time until 1, 2, 4 ... N replicas, told "
         "to go at once, all serve a version of SIZE bytes: first every one reading the trainer's slot, then "
         "each reading the source the registry's policy hands it, relays forwarding buckets as they land; "
-        "beside what `weightpull simulate` predicts from each run's one-replica time. Needs root (ip netns) and the nixl "
+        "beside what `weightpull simulate` predicts from each run's one-replica row (its link and CPU per byte, all hosts sharing this machine's cores). Needs root (ip netns) and the nixl "
         "extra; it deletes every namespace it made (docs/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
@@ -527,7 +527,7 @@ def add_parser(figures: Any) -> None:
         choices=KINDS,
         default=DEFAULT_DIGEST,
         help="what the readers of the relayed run check each bucket against (the publisher's digests): "
-        "wsum64 (default) is a checksum, cheap (numpy, ~0.015 core-s per 256 MiB), catching corrupt, swapped "
+        "wsum64 (default) is a checksum, cheap (numpy, ~0.02 core-s per 256 MiB), catching corrupt, swapped "
         "or stale buckets but not bytes a hostile relay made to match, for replicas of one job; blake2b128 "
         "is cryptographic, catching those too, at ~1 GB/s a core (docs/fanout.md)",
     )
