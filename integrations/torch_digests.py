@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from weightpull.digests import wsum64_hex
+from weightpull.errors import InvalidArgumentError
 from weightpull.transport import Region
 
 _COLS = 4096  # words per row: 32 KiB
@@ -29,66 +30,94 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-def wsum64_sums(data: torch.Tensor) -> torch.Tensor:
-    """(s1, s2) of `data`'s bytes, as an int64 tensor of two on its device, not yet
-    synchronised: the bits of the uint64 sums (`& (2**64 - 1)` of each, once on the
-    host). Several buckets' sums can be stacked and fetched at once."""
-    raw = _bytes_of(data)
+def _concat(parts: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Parts of buckets' sums, (bucket, 1-D tensor) each, as one tensor: (the values, the
+    bucket of each, the index of each within its part, the part each came from)."""
+    values = torch.cat([v for _, v in parts])
+    counts = torch.tensor([v.numel() for _, v in parts], device=device)
+    total = values.numel()
+    part = torch.repeat_interleave(torch.arange(len(parts), device=device), counts, output_size=total)
+    starts = torch.cumsum(counts, 0) - counts
+    local = torch.arange(total, device=device) - starts[part]
+    buckets = torch.tensor([b for b, _ in parts], device=device)
+    return values, buckets[part], local, part
+
+
+def _wsum64(raw: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[str]:
+    """The wsum64 digests of `spans` of a flat uint8 tensor, on its device. Each bucket
+    costs two reductions of its words (its row and column sums); what makes each bucket's
+    two sums of those, and of the words and bytes past its last row, runs once for all
+    buckets, with one transfer to the host: a launch per small step and bucket would cost
+    more than the reductions themselves."""
     device = raw.device
-    sums = torch.zeros(2, dtype=torch.int64, device=device)
-    nbytes = raw.numel()
-    whole = nbytes // 8
-    if whole:
-        body = raw[: whole * 8]
-        if body.storage_offset() % 8:  # an int64 view needs a word-aligned start: copy this bucket
-            body = body.clone()
-        words = body.view(torch.int64)
-        rows = whole // _COLS
-        if rows:
-            matrix = words[: rows * _COLS].view(rows, _COLS)
-            rowsum, colsum = matrix.sum(dim=1), matrix.sum(dim=0)
-            row_weights = torch.arange(rows, dtype=torch.int64, device=device)
-            col_weights = torch.arange(1, _COLS + 1, dtype=torch.int64, device=device)
-            sums[0] += rowsum.sum()
-            sums[1] += _COLS * (row_weights * rowsum).sum() + (col_weights * colsum).sum()
-        tail = words[rows * _COLS :]  # fewer than _COLS words past the last row
-        if tail.numel():
-            weights = torch.arange(rows * _COLS + 1, whole + 1, dtype=torch.int64, device=device)
-            sums[0] += tail.sum()
-            sums[1] += (weights * tail).sum()
-    if nbytes > whole * 8:  # a last word short of 8 bytes, zero-padded
-        padded = torch.zeros(8, dtype=torch.uint8, device=device)
-        padded[: nbytes - whole * 8] = raw[whole * 8 :]
-        word = padded.view(torch.int64)
-        sums[0] += word[0]
-        sums[1] += (whole + 1) * word[0]
-    return sums
-
-
-def _hex(sums: Sequence[int]) -> str:
-    s1, s2 = sums
-    return wsum64_hex(s1, s2)  # wsum64_hex masks: a negative int64 is its uint64's bits
+    rows: list[tuple[int, torch.Tensor]] = []  # (bucket, its row sums)
+    cols: list[tuple[int, torch.Tensor]] = []  # (bucket, its column sums)
+    tails: list[tuple[int, torch.Tensor]] = []  # (bucket, its words past its last row)
+    ends: list[tuple[int, torch.Tensor]] = []  # (bucket, its bytes past its last word)
+    tail_first: list[int] = []  # the index (1-based) of each tail's first word in its bucket
+    end_weight: list[int] = []  # the index (1-based) of each zero-padded last word
+    for b, (offset, nbytes) in enumerate(spans):
+        if offset < 0 or nbytes < 0 or offset + nbytes > raw.numel():
+            raise InvalidArgumentError(f"span ({offset}, {nbytes}) lies outside {raw.numel()} bytes")
+        data = raw[offset : offset + nbytes]
+        whole = nbytes // 8
+        full = whole // _COLS * _COLS
+        if whole:
+            body = data[: whole * 8]
+            if body.storage_offset() % 8:  # an int64 view needs a word-aligned start: copy this bucket
+                body = body.clone()
+            words = body.view(torch.int64)
+            if full:
+                matrix = words[:full].view(-1, _COLS)
+                rows.append((b, matrix.sum(dim=1)))
+                cols.append((b, matrix.sum(dim=0)))
+            if whole > full:
+                tails.append((b, words[full:]))
+                tail_first.append(full + 1)
+        if nbytes > whole * 8:
+            ends.append((b, data[whole * 8 :]))
+            end_weight.append(whole + 1)
+    s1 = torch.zeros(len(spans), dtype=torch.int64, device=device)
+    s2 = torch.zeros_like(s1)
+    if rows:  # row r's words weigh r*_COLS + c + 1: r*_COLS here, c + 1 by the column sums
+        values, buckets, local, _ = _concat(rows, device)
+        s1.index_add_(0, buckets, values)
+        s2.index_add_(0, buckets, _COLS * local * values)
+        col_weights = torch.arange(1, _COLS + 1, dtype=torch.int64, device=device)
+        col_buckets = torch.tensor([b for b, _ in cols], device=device)
+        s2.index_add_(0, col_buckets, (torch.stack([v for _, v in cols]) * col_weights).sum(dim=1))
+    if tails:
+        values, buckets, local, part = _concat(tails, device)
+        s1.index_add_(0, buckets, values)
+        s2.index_add_(0, buckets, (torch.tensor(tail_first, device=device)[part] + local) * values)
+    if ends:  # a last word short of 8 bytes, zero-padded: byte k is worth 256**k of it
+        values, buckets, local, part = _concat(ends, device)
+        word_parts = values.to(torch.int64) << (8 * local)
+        s1.index_add_(0, buckets, word_parts)
+        s2.index_add_(0, buckets, torch.tensor(end_weight, device=device)[part] * word_parts)
+    return [wsum64_hex(a, b) for a, b in torch.stack([s1, s2], dim=1).tolist()]  # wsum64_hex masks
 
 
 def wsum64(data: torch.Tensor) -> str:
     """The wsum64 digest of a tensor's bytes (``wsum64:<hex>``), on its own device."""
-    return _hex(wsum64_sums(data).tolist())
+    raw = _bytes_of(data)
+    return _wsum64(raw, [(0, raw.numel())])[0]
 
 
 def wsum64_digests(region: Region, spans: Sequence[tuple[int, int]]) -> list[str]:
     """The publisher's `Digester` for slots on a device: the wsum64 digest of each
-    (offset, nbytes) span of `region`, computed where it lies, with one transfer of
-    the results to the host. Blocks until they are computed (the publisher calls it in a
-    worker thread, once the version's copies landed)."""
+    (offset, nbytes) span of `region`, computed where it lies. Blocks until they are
+    computed (the publisher calls it in a worker thread, once the version's copies
+    landed)."""
     if not spans:
         return []
     memory = region.memory
-    raw = _bytes_of(memory) if isinstance(memory, torch.Tensor) else None
-    if raw is None:  # a host slot held as a buffer
+    if isinstance(memory, torch.Tensor):
+        raw = _bytes_of(memory)
+    else:  # a host slot held as a buffer
         raw = (
             torch.frombuffer(region.host_view(), dtype=torch.uint8)
             if region.nbytes
             else torch.empty(0, dtype=torch.uint8)
         )
-    sums = torch.stack([wsum64_sums(raw[offset : offset + nbytes]) for offset, nbytes in spans])
-    return [_hex(pair) for pair in sums.tolist()]
+    return _wsum64(raw, spans)

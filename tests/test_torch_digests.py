@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightpull import InProcessRegistry
+from weightpull import InProcessRegistry, InvalidArgumentError
 from weightpull.digests import WSUM64, digest, wsum64_hex, wsum64_reference
 from weightpull.drivers.fake import FakeTransport
 from weightpull.integrations import torch_digests
@@ -60,13 +60,26 @@ def test_a_span_that_starts_off_a_word_is_digested_too(skip):
 
 def test_the_digester_gives_each_spans_digest():
     data = os.urandom(3 * _ROW + 100)
-    spans = [(0, 256), (256, _ROW + 3), (_ROW + 512, 0), (_ROW + 768, 2 * _ROW - 1)]
+    spans = [(0, 256), (256, _ROW + 3), (_ROW + 512, 0), (_ROW + 768, 2 * _ROW - 701), (3, 4), (0, len(data))]
     want = [reference(data[o : o + n]) for o, n in spans]
     on_tensor = Region(len(data), "cpu", as_tensor(data))
     assert wsum64_digests(on_tensor, spans) == want
     buffer = bytearray(data)  # a host slot held as a buffer, with its view
     assert wsum64_digests(Region(len(data), "cpu", buffer, memoryview(buffer)), spans) == want
     assert wsum64_digests(on_tensor, []) == []
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        wsum64_digests(on_tensor, [(len(data) - 3, 4)])
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.binary(min_size=1, max_size=3 * _ROW + 64), st.data())
+def test_the_digester_gives_any_spans_digests_at_once(data, draw):
+    """Many buckets of any sizes and offsets, their sums made together."""
+    cuts = sorted(draw.draw(st.lists(st.integers(0, len(data)), max_size=8)))
+    spans = [(a, b - a) for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    spans = draw.draw(st.permutations(spans))
+    region = Region(len(data), "cpu", torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    assert wsum64_digests(region, spans) == [reference(data[o : o + n]) for o, n in spans]
 
 
 class DeviceSlots(WrappedTransport):
