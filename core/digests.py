@@ -10,7 +10,7 @@ A digest is a string that names its kind: ``"<kind>:<hex>"``; a bare hex string 
 BLAKE2b-128, as `Publisher(digests=True)` records them. Two kinds:
 
 - ``blake2b128``: cryptographic. A relay cannot make other bytes match. Computed on the
-  CPU (hashlib releases the GIL); the kind host slots and host mirrors use.
+  CPU (hashlib releases the GIL), about 1 GB/s a core: host slots only.
 - ``wsum64``: two sums over the bucket's little-endian 64-bit words (zero-padded),
   ``s1 = sum(w[i])`` and ``s2 = sum((i + 1) * w[i])``, both modulo 2**64. Exact: integer
   addition modulo 2**64 is associative, so a GPU's reduction in any order gives the same
