@@ -6,6 +6,7 @@ afterwards, also when the test body failed.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -95,15 +96,27 @@ def test_fanout_across_hosts_is_byte_exact_and_crosses_the_trainers_link():
     # ~1.3 s, unless UCX bypassed the links (shared memory, CMA) instead of using TCP.
     floor = 2 * (8 << 20) / 12.5e6
     assert rows[2]["all_serve_s"] > 0.8 * floor, rows
+    # every process says the CPU it spent, and the bench the machine's over the run
+    for r in rows.values():
+        assert r["trainer_cpu_s"] > 0 and len(r["replica_cpu_s"]) == r["replicas"], r
+        assert all(c > 0 for c in r["replica_cpu_s"]) and r["busy_cpu_s"] > 0, r
+        assert r["procs_cpu_s"] == pytest.approx(r["trainer_cpu_s"] + sum(r["replica_cpu_s"]), abs=0.01)
+        assert r["busy_cpu_s"] <= r["cpus"] * r["wall_s"] * 1.05 + 0.05, r  # no more than the cores had
+    assert result["cpus"] == os.cpu_count() and rows[1]["verify_cpu_s"] == 0.0  # direct: nothing to check
 
 
-def test_fanout_through_a_relay_is_byte_exact_and_checked_against_the_publishers_digests():
+@pytest.mark.parametrize("digest", ["wsum64", "blake2b128"])
+def test_fanout_through_a_relay_is_byte_exact_and_checked_against_the_publishers_digests(digest):
     from weightpull.integrations.bench.fanout import run_fanout
 
-    result = run_fanout([2], size=8 << 20, bucket=2 << 20, rate="200mbit", relays=True, cap=1)
-    (row,) = result["rows"]
+    result = run_fanout([1, 2], size=8 << 20, bucket=2 << 20, rate="200mbit", relays=True, cap=1, digest=digest)
+    one, row = result["rows"]
     # the trainer serves one reader at a time: the second reads the first, a relay
     assert row["hops"] == 2 and row["byte_exact"], row
+    assert result["digest"] == digest and one["verify_cpu_s"] > 0, one  # the one reader's check, measured
+    # the relay is handed out once it holds a bucket; its reader holds one after that
+    (relay_first, reader_first), (_, handed) = row["first_bucket_s"], row["handed_s"]
+    assert relay_first <= handed + 0.05 and reader_first > handed, row
 
 
 def test_a_sigterm_still_deletes_every_namespace(tmp_path):

@@ -77,6 +77,21 @@ def test_a_measured_run_with_cpu_figures_shares_the_runs_cores(capsys, tmp_path)
     assert "direct:" in out and "-9.1%" in out
 
 
+def test_the_model_is_calibrated_on_the_one_replica_row_alone():
+    from weightpull.integrations.simulate import calibrate, validate
+
+    one = {"replicas": 1, "all_serve_s": 2.0, "trainer_cpu_s": 0.2, "replica_cpu_s": [0.5], "verify_cpu_s": 0.1}
+    run = {"size_bytes": 1 << 28, "bucket_bytes": 1 << 24, "relays": True, "cap": 1, "cpus": 2, "rows": [one]}
+    many = {"replicas": 8, "all_serve_s": 9.0, "trainer_cpu_s": 5.0, "replica_cpu_s": [3.0] * 8, "verify_cpu_s": 1.0}
+    more = {**run, "rows": [one, many]}
+    cal = calibrate(more)
+    assert cal == calibrate(run)  # the row of 8 changes nothing
+    assert cal.bandwidth == pytest.approx((1 << 28) / 1.9) and cal.cpus == 2
+    assert cal.recv_cpu == pytest.approx(0.4 / (1 << 28)) and cal.verify_cpu == pytest.approx(0.1 / (1 << 28))
+    predicted = validate(more)[1]["simulated_s"]
+    assert predicted == validate({**more, "rows": [one, {**many, "all_serve_s": 3.0}]})[1]["simulated_s"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
