@@ -336,6 +336,7 @@ class Puller:
         host: str | None = None,
         relay: bool = False,
         relay_cap: int | None = None,
+        spare_mirror: bool = False,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
@@ -369,7 +370,14 @@ class Puller:
         replicas while it is still filling (`offer` with `relay_cap`): once its first
         bucket lands, then advancing the count of buckets it holds, so that streaming
         readers of this relay read each bucket once it landed here. A pull that fails
-        withdraws the offer; one that succeeds leaves it standing until the next pull."""
+        withdraws the offer; one that succeeds leaves it standing until the next pull.
+
+        A pull never overwrites a mirror that leases still read: it first withdraws the
+        offer and waits for them (each ends within its TTL). With `spare_mirror`, a
+        relay keeps a second mirror instead: a pull while the mirror is offered goes
+        into the other one (withdrawing that one's older offer first), so readers of a
+        relay never hold up its next prefetch. The cost: one more buffer the size of a
+        version, on `device` (a replica then holds its weights and two mirrors)."""
         if verify_digests and device != "cpu":
             raise InvalidArgumentError(
                 f"digests are verified on host mirrors only, not on {device!r}; "
@@ -400,6 +408,10 @@ class Puller:
                 "a puller relays a version while pulling it (relay=True) with host= and stream=True"
             )
         self.relay, self.relay_cap = relay, relay_cap
+        if spare_mirror and host is None:
+            raise InvalidArgumentError("a spare mirror is for a relay's readers: it needs host=")
+        self.spare_mirror = spare_mirror
+        self._spare: tuple[Region | None, int | None, int | None] = (None, None, None)  # (mirror, version, offered)
         self._forwarding: _Forwarder | None = None  # the pull under way's offer, with relay
         self._reading_from = ""  # the relay the pull under way reads from ("": the slot)
         if stream:  # refused now, not at the first pull
@@ -461,6 +473,8 @@ class Puller:
             nbytes = max((r.nbytes for r in found), default=0)
             if self.mirror is None and nbytes:  # only a first mirror: a later one may be being applied
                 self.mirror = await self._allocate(nbytes)
+            if self.spare_mirror and self._spare[0] is None and nbytes:
+                self._spare = (await self._allocate(nbytes), None, None)
             sources = [source for r in found for source in r.sources]
             mapped = 0
             for source in sources:
@@ -547,7 +561,8 @@ class Puller:
 
     async def _pull(self, version: int | None, exclude: list[str] | None = None) -> Pulled:
         started = self.clock.now()
-        await self._keep_for_readers()
+        if not self.spare_mirror:
+            await self._keep_for_readers()
         if self.host is not None:
             lease = await cast(RelayingRegistry, self.registry).acquire(
                 version,
@@ -565,6 +580,8 @@ class Puller:
         try:
             manifest = await self._manifest(lease.version)
             check_transport(manifest, self.transport)
+            if self.spare_mirror and self.offered is not None:
+                await self._take_spare()
             mirror = self._mirror_for(manifest.layout)
             relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
             self._reading_from, self._forwarding = lease.source, self._forwarder(lease.version, manifest, mirror)
@@ -755,6 +772,14 @@ class Puller:
         self.offered = self.mirror_version
         return self.offered
 
+    async def _take_spare(self) -> None:
+        """The mirror is offered: leave it to its readers and pull into the spare one,
+        once the spare's own (older) offer is withdrawn and its readers are done."""
+        spare, spare_version, spare_offered = self._spare
+        self._spare = (self.mirror, self.mirror_version, self.offered)
+        self.mirror, self.mirror_version, self.offered = spare, spare_version, spare_offered
+        await self._keep_for_readers()
+
     async def _keep_for_readers(self) -> None:
         """Before the mirror is overwritten: withdraw its offer, then wait while leases
         still read from it (each ends within its TTL)."""
@@ -855,3 +880,6 @@ class Puller:
             self.transport.deregister(self.mirror)
             self.mirror = None
             self.mirror_version = None
+        if self._spare[0] is not None:
+            self.transport.deregister(self._spare[0])
+        self._spare = (None, None, None)

@@ -130,3 +130,36 @@ async def test_host_needs_a_host_mirror_and_a_name(world):
         world.puller(host="")
     with pytest.raises(InvalidArgumentError, match="host="):
         await world.puller().offer()
+
+
+async def test_a_relay_with_a_spare_mirror_pulls_on_while_leases_read_the_offered_one(world):
+    """With `spare_mirror`, the next pull goes into the other mirror at once, leaving the
+    offered one, bytes unchanged, to the lease reading it; the pull after withdraws the
+    older offer (its readers long gone) and reuses that mirror."""
+    publisher = world.publisher(digests=True, num_slots=2)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay", spare_mirror=True)
+    pulled = await relay.pull()
+    await relay.offer()
+    first = relay.mirror
+    lease = await world.registry.acquire(1, ttl=5.0, holder="reader", host="h1")
+    assert lease.source == "relay"
+    await publisher.publish(2, host_tensors(2))
+    start = world.clock.now()
+    assert same(await relay.pull(), 2)
+    assert world.clock.now() == start  # no wait for the reader's lease
+    assert relay.mirror is not first and relay.mirror_version == 2
+    assert pulled.region is first and same(pulled, 1)  # what the lease reads, unchanged
+    assert [o.holder for o in world.registry.machine.relays.offers(1)] == ["relay"]  # still offered
+    await world.registry.release(lease)
+    await relay.offer()
+    await publisher.publish(3, host_tensors(3))
+    assert same(await relay.pull(), 3)
+    assert relay.mirror is first  # the older offer withdrawn, its mirror reused
+    assert world.registry.machine.relays.offers(1) == ()
+    assert [o.holder for o in world.registry.machine.relays.offers(2)] == ["relay"]
+
+
+async def test_a_spare_mirror_needs_a_relay(world):
+    with pytest.raises(InvalidArgumentError, match="host="):
+        world.puller(spare_mirror=True)
