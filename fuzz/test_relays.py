@@ -137,6 +137,7 @@ class Replica:
         self.task: asyncio.Task | None = None
         self.dead = False
         self.died_at = 0.0
+        self.spoiled = False  # it flipped a byte of its own mirror while pulling into it
 
     @property
     def busy(self) -> bool:
@@ -251,11 +252,13 @@ class RelayMachine(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 3), at=st.integers(0, sum(SIZES) - 1))
     def turn_hostile(self, pick: int, at: int) -> None:
+        self.collect()  # copies handed on before the flip are checked as they were handed on
         offering = [r for r in self.replicas if not r.dead and r.puller.offered is not None]
         if offering:
-            mirror = offering[pick % len(offering)].puller.mirror
-            mirror.host_view()[at] ^= 0x5A
-            event("hostile relay")
+            hostile = offering[pick % len(offering)]
+            hostile.puller.mirror.host_view()[at] ^= 0x5A
+            hostile.spoiled |= hostile.busy  # a relay still pulling spoils its own copy too: its own affair
+            event("hostile relay" if not hostile.busy else "hostile relay mid-stream")
 
     @rule(pick=st.integers(0, 3), extra=st.integers(1, 3))
     def lie(self, pick: int, extra: int) -> None:
@@ -299,12 +302,16 @@ class RelayMachine(RuleBasedStateMachine):
             if task is None or not task.done() or task.cancelled():
                 continue
             replica.task = None
+            spoiled, replica.spoiled = replica.spoiled, False
             exc = task.exception()
             if exc is not None:
                 assert isinstance(exc, WeightpullError), repr(exc)
                 event(type(exc).__name__)
                 continue
             pulled = task.result()
+            if spoiled:  # what it did to its own mirror is no reader's copy; its readers are checked
+                event("a hostile relay's own copy")
+                continue
             want = self.contents[pulled.version]
             assert all(bytes(pulled.view(n)) == t.data for n, t in want.items()), f"a mixed copy of v{pulled.version}"
             event("copy accepted" if replica.kind == "plain" else f"copy accepted ({replica.kind})")
