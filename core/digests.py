@@ -34,11 +34,23 @@ from typing import Any
 
 from .errors import DigestMismatchError, InvalidArgumentError
 
-_np: Any
-try:
-    import numpy as _np
-except ImportError:  # the base install: the pure-Python sums
-    _np = None
+_NOT_YET = object()
+# numpy, imported when a wsum64 digest first needs it (importing weightpull loads no
+# numpy); None where it is not installed: the base install sums in pure Python.
+_np: Any = _NOT_YET
+
+
+def _numpy() -> Any:
+    global _np
+    if _np is _NOT_YET:
+        try:
+            import numpy
+        except ImportError:
+            _np = None
+        else:
+            _np = numpy
+    return _np
+
 
 BLAKE2B128 = "blake2b128"
 WSUM64 = "wsum64"
@@ -67,7 +79,7 @@ _weights: tuple[Any, Any] | None = None  # numpy's 0.._BLOCK_ROWS-1 and 1.._COLS
 
 def _wsum64_numpy(data: memoryview | bytes) -> tuple[int, int]:
     global _weights
-    np = _np
+    np = _numpy()
     assert np is not None
     if _weights is None:
         _weights = (np.arange(_BLOCK_ROWS, dtype=np.uint64), np.arange(1, _COLS + 1, dtype=np.uint64))
@@ -110,7 +122,7 @@ def digest(data: memoryview | bytes, kind: str = BLAKE2B128) -> str:
     if kind == BLAKE2B128:
         return f"{BLAKE2B128}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
     if kind == WSUM64:
-        return wsum64_hex(*(wsum64_reference(data) if _np is None else _wsum64_numpy(data)))
+        return wsum64_hex(*(wsum64_reference(data) if _numpy() is None else _wsum64_numpy(data)))
     raise InvalidArgumentError(f"unknown digest kind {kind!r} (known: {', '.join(KINDS)})")
 
 
