@@ -716,21 +716,23 @@ class Puller:
         driver with a `read_many` of its own (one that batches device copies) is left to
         it, and its reads count as landed together."""
         forwarding = self._forwarding
-        if type(self.transport).read_many is not Transport.read_many:
-            await self.transport.read_many(reads)
-            landed(sum(read[4] for read in reads))
-            if forwarding is not None:
-                for _, _, _, local_offset, nbytes in reads:
+
+        async def arrived(spans: list[tuple[int, int]]) -> None:
+            """(mirror offset, bytes) of reads that landed."""
+            landed(sum(nbytes for _, nbytes in spans))
+            if forwarding is not None:  # a relay's readers may read them now
+                for local_offset, nbytes in spans:
                     forwarding.note(local_offset, nbytes)
                 await forwarding.send()
+
+        if type(self.transport).read_many is not Transport.read_many:
+            await self.transport.read_many(reads)
+            await arrived([(read[3], read[4]) for read in reads])
             return
 
         async def read(remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
             await self.transport.read(remote, remote_offset, local, local_offset, nbytes)
-            landed(nbytes)
-            if forwarding is not None:  # a relay's readers may read it now
-                forwarding.note(local_offset, nbytes)
-                await forwarding.send()
+            await arrived([(local_offset, nbytes)])
 
         async with anyio.create_task_group() as tg:
             for r in reads:
