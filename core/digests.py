@@ -100,10 +100,9 @@ def _wsum64_numpy(data: memoryview | bytes) -> tuple[int, int]:
         s2 += _COLS * (start * total + weighted) + int((col_weights * colsum).sum(dtype=np.uint64))
     tail = words[rows * _COLS :]  # fewer than _COLS words past the last row
     if len(tail):
-        s1 += int(tail.sum(dtype=np.uint64))
-        s2 += rows * _COLS * int(tail.sum(dtype=np.uint64)) + int(
-            (col_weights[: len(tail)] * tail).sum(dtype=np.uint64)
-        )
+        tail_sum = int(tail.sum(dtype=np.uint64))
+        s1 += tail_sum
+        s2 += rows * _COLS * tail_sum + int((col_weights[: len(tail)] * tail).sum(dtype=np.uint64))
     if raw.nbytes > whole * 8:  # a last word short of 8 bytes, zero-padded
         w = int.from_bytes(raw[whole * 8 :], "little")
         s1 += w
