@@ -229,6 +229,12 @@ class Publisher:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
 
+    @property
+    def slot_layout(self) -> Layout | None:
+        """Where the tensors last planned (by `reserve` or a publish) lie in a slot; None
+        before any plan."""
+        return None if self._plans is None else self._plans[1][2]
+
     def metrics(self) -> dict[str, int | float]:
         """This publisher's figures, flat, for a trainer's logger: the last publish's
         version, the seconds it held the caller and, unless it skipped, the bytes in its

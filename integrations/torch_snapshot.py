@@ -225,7 +225,8 @@ class SnapshotPublisher:
         if not stream or sharding is not None:  # a publish that snapshots needs the staging buffer: make it now too
             _ = self.staging
         else:  # a streamed one casts into the slots: their views, and a first run of each cast, now too
-            layout = plan_layout(self.specs, bucket_bytes=self.publisher.bucket_bytes, align=self.publisher.align)
+            layout = self.publisher.slot_layout  # as `reserve` just planned it
+            assert layout is not None
             casts = {(torch_dtype(g.dtype), torch_dtype(s.dtype)) for g, s in zip(given, self.specs, strict=True)}
             for slot in self.publisher.slots:
                 if slot.region is not None:
