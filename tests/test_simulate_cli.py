@@ -32,17 +32,22 @@ def test_simulate_draws_a_png(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def validated(capsys, tmp_path, measured):
+    """`simulate --measured` of a run whose direct half is `measured`: its rows by replicas."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"direct": measured}))
+    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
+    assert status == 0
+    return {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]["direct"]}
+
+
 def test_simulate_beside_a_measured_run(capsys, tmp_path):
     measured = {
         "size_bytes": 256 << 20,
         "bucket_bytes": 16 << 20,
         "rows": [{"replicas": 1, "all_serve_s": 2.0}, {"replicas": 4, "all_serve_s": 8.4}],
     }
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps({"direct": measured}))
-    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
-    assert status == 0
-    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]["direct"]}
+    rows = validated(capsys, tmp_path, measured)
     assert rows[4]["simulated_s"] == pytest.approx(8.0, rel=0.001)
     assert rows[4]["error"] == pytest.approx(8.0 / 8.4 - 1, abs=0.001)
     assert "cpus" not in rows[4]  # no CPU measured: the links alone
@@ -63,17 +68,13 @@ def test_a_measured_run_with_cpu_figures_shares_the_runs_cores(capsys, tmp_path)
             {"replicas": 2, "all_serve_s": 4.4, "procs_cpu_s": 2.6},
         ],
     }
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps({"direct": measured}))
-    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
-    assert status == 0
-    rows = {r["replicas"]: r for r in json.loads(out.splitlines()[-1])["validation"]["direct"]}
+    rows = validated(capsys, tmp_path, measured)
     assert rows[1]["simulated_s"] == pytest.approx(2.0, abs=0.001)
     assert rows[2]["simulated_s"] == pytest.approx(4.0, abs=0.001)
     assert rows[2]["enough_cpus_s"] == pytest.approx(3.75, abs=0.001)
     assert rows[2]["demand_cpu_s"] == pytest.approx(2.5) and rows[2]["measured_cpu_s"] == 2.6
     assert rows[2]["error"] == pytest.approx(4.0 / 4.4 - 1, abs=0.001)
-    status, out, _ = run(capsys, "simulate", "--measured", str(path))
+    status, out, _ = run(capsys, "simulate", "--measured", str(tmp_path / "run.json"))
     assert "direct:" in out and "-9.1%" in out
 
 
