@@ -463,10 +463,11 @@ class Flooder:
         self.hostile |= self.me.role is Role.READER
         await self.reg.begin(asked, publisher=publisher, slot=self.rng.randrange(6), shard=shard)
 
-    async def _manifest(self, for_commit: bool) -> Manifest:
+    async def _manifest(self) -> Manifest:
         """Another's manifest as it is, or turned onto another's version still being
         written or onto one of its own, under its name or another's; never a valid
-        commit of its own."""
+        commit or stream of its own (a stream it began validly, it could commit_stream:
+        a valid publish, see the class)."""
         if not self.manifests:
             newest = await self.reg.newest()
             assert newest is not None  # the trainer published before the flood
@@ -480,7 +481,7 @@ class Flooder:
             target = self.rng.choice(targets)
             publisher = self.rng.choice([target.publisher, theirs.publisher, self.me.name])
             slot = target.slot
-            if for_commit and root(target.publisher) == self.me.name and publisher == target.publisher:
+            if root(target.publisher) == self.me.name and publisher == target.publisher:
                 slot += 1  # not a valid publish of its own (see the class)
             manifest = attrs.evolve(theirs, version=target.version, publisher=publisher, slot=slot, digests=None)
         self.mark_hostile(manifest.version, (manifest.publisher,))
@@ -488,10 +489,10 @@ class Flooder:
         return manifest
 
     async def _commit(self) -> None:
-        await self.reg.commit(await self._manifest(for_commit=True))
+        await self.reg.commit(await self._manifest())
 
     async def _stream(self) -> None:
-        await self.reg.stream(await self._manifest(for_commit=False))
+        await self.reg.stream(await self._manifest())
 
     async def _abort(self) -> None:
         version = self.version()
