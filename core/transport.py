@@ -127,6 +127,14 @@ class Transport(ABC):
         seconds: pullers call it from a worker thread, ahead of any version. Nothing by
         default."""
 
+    def view(self, remote: Remote, device: str = "cpu") -> Region | None:
+        """`remote`'s memory itself, mapped into this process so that `device` reads it in
+        place (no copy): a GPU slot on this host for a CUDA device, a host slot for "cpu".
+        None where this driver only copies (the default), or not into `device`. The region
+        is the peer's: read it, never write it, and only while a lease holds its version
+        (`Puller.borrow`)."""
+        return None
+
     @abstractmethod
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
@@ -245,6 +253,9 @@ class WrappedTransport(Transport):
 
     def prepare(self, remote: Remote, device: str = "cpu") -> None:
         self.inner.prepare(remote, device)
+
+    def view(self, remote: Remote, device: str = "cpu") -> Region | None:
+        return self.inner.view(remote, device)
 
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
         await self.inner.read(remote, remote_offset, local, local_offset, nbytes)

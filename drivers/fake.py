@@ -144,10 +144,18 @@ class FakeTransport(Transport):
             )
         return remote
 
+    def view(self, remote: Remote, device: str = "cpu") -> Region | None:
+        """The peer's bytes themselves, read-only (one process: one memory)."""
+        if device != "cpu":
+            return None
+        source = self._peer(remote)
+        view = source.host_view()[: remote.nbytes].toreadonly()
+        return Region(nbytes=view.nbytes, device="cpu", memory=source.memory, view=view)
+
     # -- reading -------------------------------------------------------------------------
 
-    def _source(self, remote: Remote, local: Region) -> Region:
-        """The peer's region a read of `remote` into `local` copies from, once both hold."""
+    def _peer(self, remote: Remote) -> Region:
+        """The peer's region `remote` names, while it is registered and its owner open."""
         self._check_open()
         fabric, owner, region_id = remote.handle
         if owner in fabric.closed:
@@ -155,6 +163,11 @@ class FakeTransport(Transport):
         source = fabric.regions.get(region_id)
         if source is None:
             raise RegionNotRegisteredError(f"remote region {region_id} is not registered")
+        return source
+
+    def _source(self, remote: Remote, local: Region) -> Region:
+        """The peer's region a read of `remote` into `local` copies from, once both hold."""
+        source = self._peer(remote)
         if self._mine.get(local.handle) is not local:
             raise RegionNotRegisteredError("the local region is not registered with this transport")
         return source

@@ -366,3 +366,32 @@ def test_a_host_slot_this_process_exported_is_read_in_place_and_a_peers_is_mappe
         peers.release(owners.CLOSED)
     t.deregister(region)
     assert not own.in_place  # no longer this process's export
+
+
+def test_a_host_slot_is_lent_read_only_to_the_host_and_nothing_is_lent_across_pcie(monkeypatch):
+    """`view` lends a host slot to "cpu" as a read-only view of its bytes, made once; a
+    host slot to a GPU, or a GPU slot to the host, it does not (those a copy crosses once)."""
+    fake = _FakeCuda()
+    fake.cuMemHostRegister_v2 = fake.cuMemHostUnregister = lambda *args: 0
+    monkeypatch.setattr(driver_api, "_cuda", fake)
+    t = CudaIpcTransport()
+    t._index = 0
+    region = t.allocate(4096, "cpu")
+    region.view[:5] = b"slot!"
+    remote = t.connect(t.export(region))
+    lent = t.view(remote, "cpu")
+    assert lent is not None and lent.device == "cpu" and lent.nbytes == 4096
+    assert bytes(lent.view[:5]) == b"slot!" and lent.view.readonly
+    region.view[0] = ord("S")
+    assert bytes(lent.view[:5]) == b"Slot!"  # the slot itself, not a copy
+    assert t.view(remote, "cpu") is lent and t.view(remote, "cuda:0") is None
+    owner = owners.OwnerFile(4096)
+    try:
+        gpu_slot = t.connect(_descriptor(owner.path, 4096))
+        assert t.view(gpu_slot, "cpu") is None
+    finally:
+        owner.release(owners.CLOSED)
+    t.disconnect(remote)
+    with pytest.raises(InvalidArgumentError, match="disconnected"):
+        t.view(remote, "cpu")
+    t.deregister(region)

@@ -8,6 +8,7 @@ import fcntl
 import os
 import threading
 import warnings
+from typing import Any
 
 import attrs
 
@@ -30,6 +31,7 @@ class Import:
     host: bool = False  # a host slot, mapped from the owner's file
     devices: set[int] = attrs.Factory(set)  # where this remote holds a mapping
     mapped_host: bool = False
+    views: dict[str, Any] = attrs.Factory(dict)  # device -> the Region `view` made, made once
     connected: bool = True
     # what the owner exported: mapped once per process, however many remotes use it
     key: str = attrs.field(
@@ -148,4 +150,5 @@ def _unmap_locked(imp: Import) -> None:
                         cu.cuMemHostUnregister(entry[0])
                 libc.munmap(entry[0], imp.exported)
     imp.devices.clear()
+    imp.views.clear()
     imp.mapped_host = False

@@ -54,6 +54,20 @@ class _Registration:
     descriptor: bytes | None = None
 
 
+class _Mapped:
+    """A peer's mapped device memory, as torch takes it (`__cuda_array_interface__`);
+    the mapping is the connection's: it lasts until the remote is disconnected."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),  # read-only in truth, the peer's (torch takes no such flag)
+            "version": 2,
+            "strides": None,
+        }
+
+
 def _device_index(device: str) -> int:
     torch = _torch()
     d = torch.device(device)
@@ -275,6 +289,39 @@ class CudaIpcTransport(RegionTable, Transport):
         if imp.needs_host_map:
             mappings.map_host(imp, index)
         mappings.map_device(imp, index)
+
+    def view(self, remote: Remote, device: str = "cpu") -> Region | None:
+        """A GPU slot, opened on `device` (a CUDA device: the slot's own GPU, or a peer it
+        reaches over NVLink), as a uint8 CUDA tensor; a host slot, for "cpu", as a
+        read-only view of its mapping. None for the other pairings: those cross PCIe,
+        which a copy into a mirror crosses once and a read in place on every use."""
+        self._check_open()
+        imp = remote.handle
+        if not isinstance(imp, Import) or not imp.connected:
+            raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+        if imp.host != (device == "cpu"):
+            return None
+        imp.check_owner(f"viewing a region of process {imp.owner_pid}")
+        check_span("exported", 0, remote.nbytes, imp.exported)
+        where = "cpu" if imp.host else f"cuda:{_device_index(device)}"
+        key = f"{where}/{remote.nbytes}"
+        region = imp.views.get(key)  # made once: callers key their typed views by it
+        if region is None:
+            region = imp.views[key] = self._view(imp, remote.nbytes, where)
+        return region
+
+    def _view(self, imp: Import, nbytes: int, where: str) -> Region:
+        if imp.host:
+            if imp.needs_host_map:
+                mappings.map_host(imp, self.device)
+            address = mappings.map_device(imp, self.device)
+            raw = (ctypes.c_char * nbytes).from_address(address) if nbytes else bytearray()
+            return Region(nbytes, "cpu", memory=imp, view=memoryview(raw).cast("B").toreadonly())
+        torch = _torch()
+        if not nbytes:
+            return Region(0, where, torch.empty(0, dtype=torch.uint8, device=where))
+        pointer = mappings.map_device(imp, torch.device(where).index) + imp.offset
+        return Region(nbytes, where, torch.as_tensor(_Mapped(pointer, nbytes), device=where))
 
     def disconnect(self, remote: Remote) -> None:
         if isinstance(remote.handle, Import):
