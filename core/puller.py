@@ -16,6 +16,7 @@ import math
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Self, cast
 
 import anyio
@@ -200,6 +201,31 @@ class Pulled:
         return self.region.host_view()[p.offset : p.end]
 
 
+@attrs.frozen
+class Borrowed:
+    """A READY version read in place: the publisher's slot itself, mapped into this
+    process (`Puller.borrow`). Valid only inside the block that borrowed it; read it,
+    never write it."""
+
+    version: int
+    manifest: Manifest
+    region: Region  # the slot's memory, as `device` reads it
+    renewals: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.nbytes
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    def view(self, name: str) -> memoryview:
+        """The bytes of tensor `name` in a host slot (read-only)."""
+        p = self.manifest.layout[name]
+        return self.region.host_view()[p.offset : p.end]
+
+
 def _default_holder(registry: Registry) -> str:
     """A holder name for a puller that gives none: below its registry's principal's own
     name, where a served registry lets a reader hold leases; else a fresh one."""
@@ -259,32 +285,13 @@ async def read_under_lease(
     the renewals; raises `NoProgressError` when no read landed for `stall_timeout`, and
     `TornReadError` when the lease lapsed (`what` names the version read, `copy` what
     was read of it, `source` where from)."""
-    renewals = 0
-    lost: list[BaseException] = []
+    renewal = _Renewal(registry, lease, pacer, clock, holder)
     landed, last_landed, stalled = 0, clock.now(), False
 
     def note(nbytes: int) -> None:
         nonlocal landed, last_landed
         landed += nbytes
         last_landed = clock.now()
-
-    async def renew_loop() -> None:
-        nonlocal lease, renewals
-        while True:
-            await clock.sleep(pacer.due - clock.now())
-            sent = clock.now()
-            try:
-                lease = await registry.renew(lease)
-            except _LEASE_LOST as exc:
-                lost.append(exc)
-                tg.cancel_scope.cancel()
-                return
-            except WeightpullError as exc:  # transient: the final check decides
-                log.warning("%s: renewing lease %s failed: %s", holder, lease.id, exc)
-                pacer.failed(sent)
-                continue
-            renewals += 1
-            pacer.granted(lease, sent, clock.now())
 
     async def reads(read_all: Callable[[Callable[[int], None]], Awaitable[None]]) -> None:
         await read_all(note)
@@ -300,22 +307,52 @@ async def read_under_lease(
     try:
         async with anyio.create_task_group() as tg:
             if read_all is not None:
-                tg.start_soon(renew_loop)
+                tg.start_soon(renewal.run, tg.cancel_scope.cancel)
                 tg.start_soon(reads, read_all)
                 if stall_timeout is not None:
                     tg.start_soon(watchdog, stall_timeout)
     except BaseExceptionGroup as group:
         raise first_error(group) from None
-    if stalled and not lost:
+    if stalled and not renewal.lost:
         raise NoProgressError(
             f"{holder}: no read of {what} landed in {stall_timeout:g} s ({landed} of {total} bytes read){source}"
         )
-    if lost or not await registry.is_valid(lease):
-        raise TornReadError(
-            f"{holder}: the lease on v{lease.version} lapsed during the read; "
-            f"the {copy} may mix versions and was rejected"
-        ) from (lost[0] if lost else None)
-    return lease, renewals
+    await renewal.check(f"during the read; the {copy} may mix versions and was rejected")
+    return renewal.lease, renewal.renewals
+
+
+class _Renewal:
+    """A lease renewed when `pacer` says, until cancelled, and checked at the end: what a
+    read under a lease and a borrowed slot share."""
+
+    def __init__(self, registry: Registry, lease: Lease, pacer: _Pacer, clock: Clock, holder: str) -> None:
+        self.registry, self.lease, self.pacer, self.clock, self.holder = registry, lease, pacer, clock, holder
+        self.renewals = 0
+        self.lost: list[BaseException] = []  # why the registry ended the lease, if it did
+
+    async def run(self, on_lost: Callable[[], object]) -> None:
+        while True:
+            await self.clock.sleep(self.pacer.due - self.clock.now())
+            sent = self.clock.now()
+            try:
+                self.lease = await self.registry.renew(self.lease)
+            except _LEASE_LOST as exc:
+                self.lost.append(exc)
+                on_lost()
+                return
+            except WeightpullError as exc:  # transient: the final check decides
+                log.warning("%s: renewing lease %s failed: %s", self.holder, self.lease.id, exc)
+                self.pacer.failed(sent)
+                continue
+            self.renewals += 1
+            self.pacer.granted(self.lease, sent, self.clock.now())
+
+    async def check(self, what: str) -> None:
+        """`TornReadError` unless the lease held throughout (`what`: when it lapsed, and so what)."""
+        if self.lost or not await self.registry.is_valid(self.lease):
+            raise TornReadError(f"{self.holder}: the lease on v{self.lease.version} lapsed {what}") from (
+                self.lost[0] if self.lost else None
+            )
 
 
 class Puller:
@@ -426,7 +463,7 @@ class Puller:
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
         self._last: Pulled | None = None
         self._behind: int | None = None  # versions the mirror lagged when the last pull began
-        self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0}
+        self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0, "borrows": 0}
 
     async def pull(self, version: int | None = None) -> Pulled:
         """Copy the newest READY version (or `version`, if READY) into the mirror; with
@@ -455,11 +492,77 @@ class Puller:
             self._last = pulled
             return pulled
 
-    async def prepare(self) -> int:
+    @asynccontextmanager
+    async def borrow(self, version: int | None = None, *, wait: float = 0.0) -> AsyncIterator[Borrowed]:
+        """Lend the newest READY version (or `version`, if READY) in place, for the block:
+        the publisher's slot itself, mapped into this process, under a lease renewed
+        until the block ends and then released. No mirror and no copy: an apply reads
+        straight from the slot into the model, one copy where `pull` then apply make two
+        (a GPU slot on this GPU or an NVLink peer over `cuda_ipc`; a host slot for a
+        host `device`, over `cuda_ipc` or the in-process `fake`).
+
+        The block only reads. If it ends normally but the lease lapsed meanwhile (a stall
+        past the TTL), leaving it raises `TornReadError`: what it read may mix versions,
+        so whatever it applied must be undone. Digests are checked, before the block, as
+        a pull checks them (a host slot with `verify_digests`). Raises
+        `InvalidArgumentError` where the driver cannot lend the slot to `device` (it only
+        copies: `pull` instead) or the version is sharded over several slots.
+
+        With `wait` (seconds), it first waits for `version` (without one, any version) to
+        turn READY, as the trainer finishes writing it: notified, not polled, and
+        `VersionWaitTimeoutError` after `wait`."""
+        if not (isinstance(wait, (int, float)) and 0 <= wait < math.inf):
+            raise InvalidArgumentError(f"wait must be a finite number of seconds >= 0, got {wait!r}")
+        if wait:  # the manifest comes with the answer: no second fetch
+            self._keep_manifest(await self.registry.wait_for_version(version or 0, timeout=wait))
+        started = self.clock.now()
+        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        try:
+            manifest = await self._manifest(lease.version)
+            check_transport(manifest, self.transport)
+            if manifest.shards:
+                raise InvalidArgumentError(
+                    f"v{manifest.version} is sharded over {len(manifest.shards)} slots; pull() it into a mirror"
+                )
+            try:
+                region = await anyio.to_thread.run_sync(self.transport.view, self._remote(manifest.source), self.device)
+            except (RegionNotRegisteredError, PeerGoneError):
+                self._forget(manifest)  # connect afresh next time
+                raise
+            if region is None:
+                raise InvalidArgumentError(
+                    f"the {self.transport.name} driver cannot lend v{manifest.version}'s slot to {self.device} in "
+                    "place (it copies): pull() it into a mirror instead"
+                )
+            if manifest.digests is not None and self.verify_digests and region.view is not None:
+                await self._verify(manifest, region)
+            renewal = _Renewal(
+                self.registry,
+                lease,
+                _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now()),
+                self.clock,
+                self.holder,
+            )
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(renewal.run, lambda: None)  # a lapse is told when the block ends
+                    try:
+                        yield Borrowed(manifest.version, manifest, region)
+                    finally:
+                        tg.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                raise first_error(group) from None
+            lease = renewal.lease
+            await renewal.check("while it was borrowed; what was read of it may mix versions")
+            self._counts["borrows"] += 1
+        finally:
+            await release_quietly(self.registry, lease, self.holder)
+
+    async def prepare(self, *, mirror: bool = True) -> int:
         """Do now what the first pull would do first, from the slots publishers registered
-        ahead (`Publisher.reserve`): register the mirror at the size their versions take,
-        connect to each slot and map it (page-locking a host slot takes seconds for
-        gigabytes). It runs in worker threads, so the event loop keeps renewing leases,
+        ahead (`Publisher.reserve`): register the mirror at the size their versions take
+        (unless `mirror=False`: a replica that only `borrow`s keeps none), connect to each
+        slot and map it (page-locking a host slot takes seconds for gigabytes). It runs in worker threads, so the event loop keeps renewing leases,
         and pulls wait for it. Returns the slots mapped: 0 while no publisher over this
         transport has reserved any (or the registry takes no reservations). Calling it
         again maps slots reserved since; a slot it cannot map is logged and left to the
@@ -471,9 +574,9 @@ class Puller:
         async with self._lock:
             found = [r for r in await self.registry.reservations() if r.transport == self.transport.name]
             nbytes = max((r.nbytes for r in found), default=0)
-            if self.mirror is None and nbytes:  # only a first mirror: a later one may be being applied
+            if mirror and self.mirror is None and nbytes:  # only a first mirror: a later one may be being applied
                 self.mirror = await self._allocate(nbytes)
-            if self.spare_mirror and self._spare[0] is None and nbytes:
+            if mirror and self.spare_mirror and self._spare[0] is None and nbytes:
                 self._spare = (await self._allocate(nbytes), None, None)
             sources = [source for r in found for source in r.sources]
             mapped = 0
@@ -492,7 +595,8 @@ class Puller:
         good pull's version, seconds, bytes, GB/s and lease renewals; how many versions
         the mirror lagged when it began (pulls of the newest after a first one only); and
         counts since this puller was made: good pulls, failed ones, torn reads among
-        them, and stalls (`NoProgressError`)."""
+        them, stalls (`NoProgressError`), and versions borrowed in place whose lease held
+        (`borrow`)."""
         out: dict[str, int | float] = {f"pull/{k}": v for k, v in self._counts.items()}
         last = self._last
         if last is not None:
@@ -816,10 +920,13 @@ class Puller:
         manifest = await self.registry.get(version)
         if self.stream and manifest.digests is None:  # maybe a stream's, whose digests may come yet
             return manifest
-        self._manifests[version] = manifest
+        self._keep_manifest(manifest)
+        return manifest
+
+    def _keep_manifest(self, manifest: Manifest) -> None:
+        self._manifests[manifest.version] = manifest
         while len(self._manifests) > 4:
             self._manifests.popitem(last=False)
-        return manifest
 
     def _mirror_for(self, layout: Layout) -> Region:
         """The registered mirror. A new layout signature means the model changed shape;

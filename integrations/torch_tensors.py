@@ -4,6 +4,7 @@ of a mirror as tensors. The only module of the core's path that imports torch.""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import anyio
@@ -25,7 +26,9 @@ def tensor_at(region: Region, placement: Placement) -> torch.Tensor:
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype, device=region.device)
     if region.view is not None:
-        raw = torch.frombuffer(region.view, dtype=torch.uint8, count=spec.nbytes, offset=placement.offset)
+        with warnings.catch_warnings():  # a borrowed slot's view is read-only, and read only
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            raw = torch.frombuffer(region.view, dtype=torch.uint8, count=spec.nbytes, offset=placement.offset)
     else:
         raw = region.memory[placement.offset : placement.end]
     return raw.view(dtype).view(spec.shape)

@@ -1,0 +1,197 @@
+"""`Puller.borrow`: a READY version lent in place, the publisher's slot itself, under a
+lease held (and renewed) for the block and checked at its end. On a fake clock with the
+fake driver (one process, one memory); tests/gpu/ borrows cuda_ipc slots across processes."""
+
+import anyio
+import pytest
+
+from weightpull import (
+    DigestMismatchError,
+    InvalidArgumentError,
+    NoReadyVersionError,
+    PeerGoneError,
+    RegistryUnavailableError,
+    TornReadError,
+    VersionWaitTimeoutError,
+)
+from weightpull.transport import WrappedTransport
+
+from .conftest import autojump, host_tensors
+
+pytestmark = pytest.mark.anyio
+
+
+def assert_holds(lent, version: int) -> None:
+    for name, tensor in host_tensors(version).items():
+        assert bytes(lent.view(name)) == tensor.data, name
+
+
+async def leases(world):
+    return (await world.registry.status()).leases
+
+
+async def test_a_borrowed_version_is_the_slot_itself_read_only_and_leased_for_the_block(world):
+    publisher = world.publisher()
+    await publisher.publish(1, host_tensors(1))
+    puller = world.puller(holder="replica-0")
+    async with puller.borrow() as lent:
+        assert lent.version == 1 and lent.nbytes == lent.manifest.nbytes
+        assert_holds(lent, 1)
+        assert lent.region.view is not None and lent.region.view.readonly
+        (lease,) = await leases(world)
+        assert (lease.version, lease.holder) == (1, "replica-0")
+    assert await leases(world) == ()
+    assert puller.mirror is None and puller.metrics()["pull/borrows"] == 1  # no mirror, no copy
+
+
+async def test_the_slot_is_not_rewritten_while_it_is_borrowed(world):
+    publisher = world.publisher(when_full="skip")  # two slots
+    await publisher.publish(1, host_tensors(1))
+    puller = world.puller()
+    async with puller.borrow() as lent:
+        assert not (await publisher.publish(2, host_tensors(2))).skipped  # into the other slot
+        async with puller.borrow() as newer:
+            assert newer.version == 2
+            assert_holds(newer, 2)
+        assert (await publisher.publish(3, host_tensors(3))).skipped  # v1's slot is lent: the trainer moves on
+        assert_holds(lent, 1)  # and the bytes stay
+        assert sorted(x.version for x in await leases(world)) == [1]
+    await publisher.publish(4, host_tensors(4))
+    async with puller.borrow(4) as lent:
+        assert_holds(lent, 4)
+
+
+async def test_a_long_block_keeps_its_lease_renewed(world):
+    await world.publisher().publish(1, host_tensors(1))
+    puller = world.puller(ttl=5.0)
+    async with autojump(world.clock):
+        async with puller.borrow() as lent:
+            await world.clock.sleep(12.0)  # more than twice the TTL
+            (lease,) = await leases(world)
+            assert lease.expires_in > 0
+        assert_holds(lent, 1)
+    assert puller.metrics()["pull/borrows"] == 1
+
+
+class NoRenewals:
+    """The registry, but renewals never reach it (a partition, or a stalled event loop)."""
+
+    def __init__(self, registry) -> None:
+        self._registry = registry
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+    async def renew(self, lease):
+        raise RegistryUnavailableError("the registry did not answer (a test's partition)")
+
+
+async def test_a_lease_that_lapsed_while_borrowed_fails_the_block_at_its_end(world):
+    await world.publisher().publish(1, host_tensors(1))
+    puller = world.puller(ttl=5.0)
+    puller.registry = NoRenewals(world.registry)
+    async with autojump(world.clock):
+        with pytest.raises(TornReadError, match="lapsed while it was borrowed; what was read of it may mix"):
+            async with puller.borrow():
+                await world.clock.sleep(6.0)
+        assert puller.metrics()["pull/borrows"] == 0
+        async with puller.borrow():  # a block within the TTL is whole
+            await world.clock.sleep(1.0)
+    assert puller.metrics()["pull/borrows"] == 1
+
+
+async def test_the_blocks_own_error_goes_through_unwrapped_and_the_lease_is_released(world):
+    await world.publisher().publish(1, host_tensors(1))
+    puller = world.puller()
+    with pytest.raises(ValueError, match="the apply failed"):
+        async with puller.borrow():
+            raise ValueError("the apply failed")
+    assert await leases(world) == () and puller.metrics()["pull/borrows"] == 0
+    with anyio.move_on_after(0.5) as scope:  # cancelled inside: released too
+        async with puller.borrow():
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught and await leases(world) == ()
+
+
+class CopiesOnly(WrappedTransport):
+    def view(self, remote, device="cpu"):
+        return None
+
+
+async def test_a_driver_that_only_copies_is_refused_by_name_and_leaves_no_lease(world):
+    await world.publisher().publish(1, host_tensors(1))
+    puller = world.puller(CopiesOnly(world.transport()))
+    with pytest.raises(InvalidArgumentError, match=r"the fake driver cannot lend v1's slot to cpu in place.*pull\(\)"):
+        async with puller.borrow():
+            pytest.fail("the block ran")
+    assert await leases(world) == ()
+
+
+async def test_nothing_ready_and_a_gone_publisher_are_typed_errors(world):
+    puller = world.puller()
+    with pytest.raises(NoReadyVersionError):
+        async with puller.borrow():
+            pass
+    publisher = world.publisher()
+    await publisher.publish(1, host_tensors(1))
+    await publisher.transport.aclose()  # the trainer's process, gone
+    with pytest.raises(PeerGoneError):
+        async with puller.borrow():
+            pass
+    assert await leases(world) == ()
+
+
+async def test_a_host_slot_whose_bytes_disagree_with_its_digests_is_refused(world):
+    publisher = world.publisher(digests=True)
+    result = await publisher.publish(1, host_tensors(1))
+    slot = world.fabric.regions[max(world.fabric.regions)]  # the one region: the slot
+    first = result.manifest.layout.buckets[0].offset
+    slot.host_view()[first] ^= 0xFF  # a flipped bit, after the commit
+    puller = world.puller()
+    with pytest.raises(DigestMismatchError, match="v1: bucket 0"):
+        async with puller.borrow():
+            pytest.fail("the block ran")
+    assert await leases(world) == ()
+    skipping = world.puller(verify_digests=False)  # the caller's choice, as for a pull
+    async with skipping.borrow() as lent:
+        assert lent.version == 1
+
+
+class CountingGets:
+    """The registry, counting manifests fetched."""
+
+    def __init__(self, registry) -> None:
+        self._registry, self.gets = registry, 0
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+    async def get(self, version):
+        self.gets += 1
+        return await self._registry.get(version)
+
+
+async def test_a_borrow_waits_for_the_version_the_trainer_is_writing(world):
+    publisher = world.publisher()
+    await publisher.publish(1, host_tensors(1))
+    puller = world.puller()
+    puller.registry = counting = CountingGets(world.registry)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+
+        async def publish_later() -> None:
+            await world.clock.sleep(3.0)
+            await publisher.publish(2, host_tensors(2))
+
+        tg.start_soon(publish_later)
+        async with puller.borrow(2, wait=10.0) as lent:
+            assert lent.version == 2 and world.clock.now() == pytest.approx(3.0)
+            assert_holds(lent, 2)
+        assert counting.gets == 0  # the manifest came with the wait's answer
+        with pytest.raises(VersionWaitTimeoutError, match="no version >= 3 within 1.5 s"):
+            async with puller.borrow(3, wait=1.5):
+                pytest.fail("the block ran")
+    assert await leases(world) == ()
+    for bad in (-1.0, float("inf"), float("nan"), "1"):
+        with pytest.raises(InvalidArgumentError, match="wait must be a finite number of seconds"):
+            async with puller.borrow(wait=bad):
+                pass
