@@ -14,6 +14,7 @@ from weightpull import (
     TornReadError,
     VersionWaitTimeoutError,
 )
+from weightpull.layout import TensorSpec
 from weightpull.transport import WrappedTransport
 
 from .conftest import autojump, host_tensors
@@ -195,3 +196,15 @@ async def test_a_borrow_waits_for_the_version_the_trainer_is_writing(world):
         with pytest.raises(InvalidArgumentError, match="wait must be a finite number of seconds"):
             async with puller.borrow(wait=bad):
                 pass
+
+
+async def test_a_replica_that_only_borrows_maps_the_slots_ahead_without_a_mirror(world):
+    publisher = world.publisher()
+    specs = [TensorSpec(name, t.dtype, t.shape) for name, t in host_tensors(1).items()]
+    await publisher.reserve(specs)
+    puller = world.puller()
+    assert await puller.prepare(mirror=False) == 2 and puller.mirror is None
+    await publisher.publish(1, host_tensors(1))
+    async with puller.borrow() as lent:
+        assert_holds(lent, 1)
+    assert puller.mirror is None
