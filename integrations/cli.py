@@ -419,7 +419,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     model = _bench_module("model", "torch")
     transports = [args.transport] if args.transport else None
     try:
-        run = functools.partial(model.run, stream=not args.no_stream)
+        run = functools.partial(model.run, stream=not args.no_stream, host_slots=not args.no_host_slots)
         result = _measure(run, args.preset, transports, args.versions, not args.no_baselines)
     except ValueError as exc:  # an unknown preset, say: the command line's
         raise UsageError(str(exc)) from exc
@@ -741,7 +741,13 @@ def _bench_parser(sub: Any) -> None:
     model.add_argument(
         "--no-stream",
         action="store_true",
-        help="leave out the streamed runs (each path is measured serially, then read while written)",
+        help="leave out the streamed and in-place runs (each path is measured serially, then read while "
+        "written, then, where the driver lends its slot, applied straight from it)",
+    )
+    model.add_argument(
+        "--no-host-slots",
+        action="store_true",
+        help="on a GPU, leave out the host-slot paths of a driver that reads GPU slots (cuda_ipc)",
     )
     model.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     model.set_defaults(func=_bench_model)

@@ -52,9 +52,20 @@ def test_tiny_preset_json_against_limits_and_baselines():
     } <= r.keys()
     assert r["transport"] == "fake" and r["preset"] == "tiny" and r["tensors"] == 24 and r["versions"] == 2
     assert r["size_bytes"] >= r["tensor_bytes"] == PRESETS["tiny"].bf16_bytes()
-    # each path serially, then streamed (read while written), both byte-exact
-    assert [(t["transport"], t["stream"]) for t in r["transports"]] == [("fake", False), ("fake", True)]
-    assert r["byte_exact"] is True and r["transports"][1]["byte_exact"] is True
+    # each path serially, then streamed (read while written), then applied in place: all byte-exact
+    assert [(t["transport"], t["stream"], t["in_place"]) for t in r["transports"]] == [
+        ("fake", False, False),
+        ("fake", True, False),
+        ("fake", False, True),
+    ]
+    assert all(t["byte_exact"] is True for t in r["transports"])
+    in_place = r["transports"][2]
+    assert in_place["mirror"] is None and in_place["pull_gbps"] is None and positive(in_place["lent_ms"])
+    assert in_place["ratio_to_serial"] == round(in_place["publish_to_serving_ms"] / r["publish_to_serving_ms"], 3)
+    limit = in_place["limits"]["publish_block_ms"] + in_place["limits"]["apply_pause_ms"]
+    assert in_place["in_place_limit_ms"] == pytest.approx(limit, abs=0.011)
+    for v in in_place["per_version_ms"]:  # serving after the trainer's publish and the apply from its slot
+        assert v["serving"] + 0.03 >= max(v["block"], v["apply"])
     streamed = r["transports"][1]
     assert streamed["serial_publish_to_serving_ms"] == r["publish_to_serving_ms"]
     assert streamed["ratio_to_serial"] == round(streamed["publish_to_serving_ms"] / r["publish_to_serving_ms"], 3)
@@ -85,6 +96,7 @@ def test_tiny_preset_json_against_limits_and_baselines():
     assert "skipped" in by_name["nccl"] and "skipped" in by_name["verl-ipc"]  # no GPU here
 
     assert "weightpull fake" in proc.stderr and "baseline gloo" in proc.stderr and "limit (" in proc.stderr
+    assert "in place (applied straight from the slot; x" in proc.stderr
     assert "fake v2" in proc.stderr  # the progress bar named each step
 
 

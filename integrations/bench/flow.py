@@ -11,6 +11,11 @@ registered once) and is left out of the medians.
 Streamed (`stream`), the trainer casts straight into its slot bucket by bucket and marks
 each one in a registry served by this process, and the replica starts pulling as soon as
 it asked for the version, reading each bucket once it is marked: the two copies overlap.
+
+In place (`in_place`, for a driver that lends a slot where the replica's weights are:
+`Transport.view`), the trainer streams as above but the replica keeps no mirror: once the
+version is READY it borrows the slot (`Puller.borrow`) and applies straight from it, one
+copy where a pull and an apply make two. Its pause is that copy.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Setup:
     device: str  # the trainer's parameters and the replica's weights: cpu or cuda:0
     host_slot: bool = False  # host slots even for a driver that reads GPU memory at device speed
     stream: bool = False  # the replica reads the version while the trainer writes it
+    in_place: bool = False  # the replica applies straight from the trainer's slot (no mirror)
     registry: str | None = None  # the served registry's address (a streamed flow's, set by run_flow)
 
     @property
@@ -109,7 +115,7 @@ def _train(conn: Any, setup: Setup) -> None:
         slot_device=setup.slot,
         num_slots=SLOTS,
         name=f"bench-trainer-{setup.transport}",
-        stream=setup.stream,
+        stream=setup.stream or setup.in_place,
     ) as publisher:
         reserved = publisher.publisher.reservation
         conn.send(("ready", None if reserved is None else reserved.to_dict()))
@@ -123,8 +129,9 @@ def _train(conn: Any, setup: Setup) -> None:
             announced = time.monotonic() - started
             conn.send(("published", started, ticket.blocking_s, announced, result.manifest.to_dict()))
         # The last version, as published: cast afresh when streamed (no staging buffer then).
+        streamed = setup.stream or setup.in_place
         published = (
-            {n: p.to(torch.bfloat16) for n, p in params.items()} if setup.stream else dict(publisher.staging.items())
+            {n: p.to(torch.bfloat16) for n, p in params.items()} if streamed else dict(publisher.staging.items())
         )
         conn.send(("stopped", sums(published)))
     anyio.run(transport.aclose)
@@ -171,7 +178,7 @@ def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], dev
 async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[str], None]) -> dict[str, Any]:
     """Every version published, pulled and applied; medians of the measured versions.
     `tick` marks a version done, `note` says what runs now (so a stall shows where)."""
-    if not setup.stream:
+    if not (setup.stream or setup.in_place):
         return await _run_flow(setup, InProcessRegistry(), tick, note)
     from weightpull.drivers.zmq_registry.server import RegistryServer  # a streamed flow's marks cross processes
 
@@ -195,6 +202,34 @@ async def _pull_streaming(puller: Puller, version: int) -> Any:
             await anyio.sleep(2e-4)
 
 
+async def _borrow_and_apply(
+    puller: Puller, version: int, weights: dict[str, torch.Tensor], views: _Views
+) -> tuple[float, float]:
+    """Once `version` is READY, borrow its slot and apply straight from it. Returns (seconds
+    until it was lent, seconds of the apply)."""
+    t = time.monotonic()
+    async with puller.borrow(version, wait=120) as lent:
+        lent_s = time.monotonic() - t
+        t = time.monotonic()
+        apply(weights, views.of(lent.region, lent.layout), puller.device)
+        apply_s = time.monotonic() - t
+    return lent_s, apply_s
+
+
+class _Views:
+    """Each region's typed views (a mirror's, or each trainer slot's), made once, as a
+    replica keeps them: hundreds of views cost milliseconds."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, tuple[Any, str, dict[str, torch.Tensor]]] = {}
+
+    def of(self, region: Any, layout: Any) -> dict[str, torch.Tensor]:
+        kept = self.kept.get(id(region))
+        if kept is None or kept[0] is not region or kept[1] != layout.signature:
+            kept = self.kept[id(region)] = (region, layout.signature, as_tensors(layout, region))
+        return kept[2]
+
+
 async def _run_flow(
     setup: Setup, registry: Any, tick: Callable[[str], None], note: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -204,17 +239,34 @@ async def _run_flow(
     transport = create_transport(setup.transport, **setup.options)
     puller = Puller(registry, transport, device=setup.device, ttl=60.0, stream=setup.stream)
     raw = RawRead(setup.transport, puller.transport, pinned=setup.cuda)
-    if not setup.stream and trainer.reservation is not None:
+    if not setup.stream and not setup.in_place and trainer.reservation is not None:
         await registry.reserve(trainer.reservation)
     note(f"{name}: mapping the trainer's slots ahead")
-    await puller.prepare()  # as a replica's update agent does at its start
+    await puller.prepare(mirror=not setup.in_place)  # as a replica's update agent does at its start
     # The replica's weights exist before any update (zeros: their pages are touched now, not in v1's apply).
     weights = {n: torch.zeros(s, dtype=torch.bfloat16, device=setup.device) for n, s in PRESETS[setup.preset].shapes()}
     rows: list[dict[str, float]] = []
-    views: tuple[Any, str, dict[str, torch.Tensor]] | None = None  # the mirror's, made once, as a replica keeps them
+    views = _Views()
     try:
         for version in range(setup.versions + SLOTS):
             note(f"{name} v{version}: publishing")
+            if setup.in_place:
+                trainer.start_publish(version)
+                pull_s, apply_s = await _borrow_and_apply(puller, version, weights, views)
+                serving = time.monotonic()
+                started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.published)
+                manifest = Manifest.from_dict(manifest_dict)
+                rows.append(
+                    {
+                        "block_s": blocking_s,
+                        "announce_s": announced_s,
+                        "pull_s": pull_s,
+                        "apply_s": apply_s,
+                        "serving_s": serving - started,
+                    }
+                )
+                tick(f"{name} v{version}")
+                continue
             if setup.stream:  # pull as the trainer writes; the registry is the trainer's too
                 trainer.start_publish(version)
                 t = time.monotonic()
@@ -233,9 +285,7 @@ async def _run_flow(
                 t = time.monotonic()
                 pulled = await puller.pull()
                 pull_s = time.monotonic() - t
-            if views is None or views[0] is not pulled.region or views[1] != pulled.layout.signature:
-                views = (pulled.region, pulled.layout.signature, as_tensors(pulled.layout, pulled.region))
-            mirror = views[2]
+            mirror = views.of(pulled.region, pulled.layout)
             t = time.monotonic()
             apply(weights, mirror, setup.device)
             serving = time.monotonic()
@@ -270,20 +320,28 @@ async def _run_flow(
     measured = rows[SLOTS:]
 
     def col(key: str) -> list[float]:
-        return [r[key] for r in measured]
+        return [r[key] for r in measured if key in r]
 
     steady_ms = median_ms(col("serving_s"))
     return {
         "transport": setup.transport,
         "stream": setup.stream,
+        "in_place": setup.in_place,
         "size_bytes": nbytes,
         "buckets": len(manifest.layout.buckets),
         "slot": setup.slot,
-        "mirror": setup.device if not hasattr(puller.transport, "to_device") else f"{setup.device} (staged)",
+        "mirror": (
+            None
+            if setup.in_place
+            else setup.device
+            if not hasattr(puller.transport, "to_device")
+            else f"{setup.device} (staged)"
+        ),
         "publisher_process": setup.transport not in IN_PROCESS,
         "publish_block_ms": median_ms(col("block_s")),
-        "pull_gbps": gbps(nbytes, col("pull_s")),
-        "raw_gbps": gbps(nbytes, col("raw_s")),
+        "pull_gbps": None if setup.in_place else gbps(nbytes, col("pull_s")),  # in place: nothing copied
+        "lent_ms": median_ms(col("pull_s")) if setup.in_place else None,  # asked to lent (the trainer's copy in it)
+        "raw_gbps": gbps(nbytes, col("raw_s")) if col("raw_s") else None,
         "raw": raw.name,
         "to_device_gbps": gbps(nbytes, h2d) if h2d else None,
         "apply_pause_ms": median_ms(col("apply_s")),

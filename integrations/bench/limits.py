@@ -189,4 +189,14 @@ def for_path(limits: dict[str, Any], nbytes: int, slot: str, mirror: str) -> dic
     else:
         key = "overlap_host_slot_ms" if slot == "cpu" else "overlap_gpu_slot_ms"
         overlap = round(limits[key] + ms["apply_pause_ms"], 2)
-    return {"pull_gbps": pull_gbps, "pull": pull, **ms, "publish_to_serving_ms": serial, "overlapped_ms": overlap}
+    # In place, the trainer casts straight into the slot and the apply copies straight out
+    # of it: two copies, back to back (the apply needs the version whole).
+    in_place = round(limits["cast_ms"] + ms["apply_pause_ms"], 2)
+    return {
+        "pull_gbps": pull_gbps,
+        "pull": pull,
+        **ms,
+        "publish_to_serving_ms": serial,
+        "overlapped_ms": overlap,
+        "in_place_ms": in_place,
+    }

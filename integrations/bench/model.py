@@ -17,7 +17,8 @@ import anyio
 import attrs
 import torch
 
-from weightpull.transports import list_transports
+from weightpull.transport import Transport
+from weightpull.transports import list_transports, transport_class
 
 from . import baselines, limits, util
 from .flow import SLOTS, Setup, run_flow
@@ -38,6 +39,11 @@ def machine() -> str:
     return util.machine(gpu, torch.__version__)
 
 
+def lends(name: str) -> bool:
+    """Whether the driver lends a peer's slot in place (`Transport.view`), where it is local."""
+    return transport_class(name).view is not Transport.view
+
+
 def _release(cuda: bool) -> None:
     gc.collect()
     if cuda:
@@ -55,6 +61,7 @@ async def run(
     with_baselines: bool = True,
     progress: Callable[[int], Progress] = Progress,
     stream: bool = True,
+    host_slots: bool = True,
 ) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     preset = preset or default_preset(cuda)
@@ -67,10 +74,12 @@ async def run(
     setups = []
     for name in names:
         paths = [Setup(name, preset, versions, device)]
-        if paths[-1].slot != "cpu":  # (fails early, naming a missing extra) a GPU-slot driver reads host slots too
+        if host_slots and paths[-1].slot != "cpu":  # (fails early, naming a missing extra) host slots too
             paths.append(Setup(name, preset, versions, device, host_slot=True))
         for path in paths:  # each serially, then streamed (read while written), side by side
             setups += [path, attrs.evolve(path, stream=True)] if stream else [path]
+            if stream and path.slot == device and lends(name):  # and applied straight from the slot
+                setups.append(attrs.evolve(path, in_place=True))
     todo = {k: why for k, why in baselines.available(cuda).items()} if with_baselines else {}
     tick = progress(1 + len(setups) * (versions + SLOTS) + sum(versions + 1 for why in todo.values() if why is None))
     try:
@@ -79,6 +88,7 @@ async def run(
         lim = await anyio.to_thread.run_sync(limits.measure, nbytes, device)
         tick("limits")
         results = []
+        serial: dict[str, Any] | None = None  # the path's serial figures, which its streamed ones follow
         for setup in setups:
             r = await run_flow(setup, tick, tick.note)
             _release(cuda)  # the next setup, or a baseline's processes, need this GPU's memory
@@ -93,11 +103,16 @@ async def run(
                     "limits": {**lim, **path},
                 }
             )
-            if setup.stream and results and not results[-1]["stream"]:  # the same path, serially, just before
-                serial = results[-1]
+            if (setup.stream or setup.in_place) and serial is not None:  # the same path, serially, before
                 r["serial_publish_to_serving_ms"] = serial["publish_to_serving_ms"]
                 r["ratio_to_serial"] = _ratio(r["publish_to_serving_ms"], serial["publish_to_serving_ms"])
                 r["ratio_to_overlapped_limit"] = _ratio(r["publish_to_serving_ms"], path["overlapped_ms"])
+            if setup.in_place:  # one copy in the trainer, one in the apply: nothing to overlap
+                r["in_place_limit_ms"] = path["in_place_ms"]
+                r["ratio_to_in_place_limit"] = _ratio(r["publish_to_serving_ms"], path["in_place_ms"])
+                r.pop("ratio_to_overlapped_limit", None)
+            if not (setup.stream or setup.in_place):
+                serial = r
             results.append(r)
         base = []
         for kind, why in todo.items():
@@ -152,6 +167,30 @@ def table(r: dict[str, Any]) -> list[str]:
     rows = [["", "publish block", "pull", "apply pause", "publish->serving", "pull/raw", "pull/limit", "exact"]]
     for t in r["transports"]:
         lm = t["limits"]
+        if t.get("in_place"):  # the same path applied straight from the slot: no mirror, one copy fewer
+            rows.append(
+                [
+                    "  in place (applied straight from the slot; "
+                    + ", ".join(
+                        f"x{t[k]} of {what}"
+                        for k, what in (("ratio_to_serial", "serial"), ("ratio_to_in_place_limit", "in-place limit"))
+                        if t.get(k) is not None
+                    )
+                    + ")",
+                    _ms(t["publish_block_ms"]),
+                    "-",
+                    _ms(t["apply_pause_ms"]),
+                    _ms(t["publish_to_serving_ms"]),
+                    "",
+                    "",
+                    "yes" if t["byte_exact"] else "NO",
+                ]
+            )
+            rows.append(_first_row(t))
+            rows.append(
+                ["  in-place limit (cast into the slot, then apply)", "", "", "", _ms(lm["in_place_ms"]), "", "", ""]
+            )
+            continue
         if t.get("stream"):  # the same path read while written: what it gains, and the limit of overlapping
             rows.append(
                 [

@@ -15,6 +15,7 @@ import torch
 
 from weightpull import (
     InProcessRegistry,
+    InvalidArgumentError,
     PeerGoneError,
     Publisher,
     Puller,
@@ -25,6 +26,7 @@ from weightpull.drivers.cuda_ipc import cuda, mappings
 from weightpull.drivers.testing.conformance import ProcessPeer
 from weightpull.integrations.bench.gpu import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
+from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.records import Reservation
 
 pytestmark = pytest.mark.anyio
@@ -206,5 +208,40 @@ async def test_prepare_maps_a_publisher_process_slot_before_the_first_pull(slot_
         await puller.aclose()
         await transport.aclose()
         assert key not in mappings.mapped
+    finally:
+        await anyio.to_thread.run_sync(proc.stop)
+
+
+@pytest.mark.parametrize("slot_device", ["cuda:0", "cpu"])
+async def test_a_publisher_process_slot_is_borrowed_in_place_and_applied_straight_from_it(slot_device):
+    """A GPU slot is lent to this process's GPU, a host slot to its host: the same mapping
+    each time (no mirror, no copy), and an apply copies straight from it."""
+    proc = PublisherProcess([1 << 20], shapes=SHAPES, slot_device=slot_device)
+    try:
+        (manifest,), want = await anyio.to_thread.run_sync(proc.ready)
+        transport = create_transport("cuda_ipc")
+        registry = await _registry_with(manifest)
+        puller = Puller(registry, transport, device=slot_device)
+        regions = []
+        for _ in range(2):
+            async with puller.borrow() as lent:
+                assert lent.version == manifest.version and lent.region.device == slot_device
+                assert mirror_checksums(lent.layout, lent.region) == want
+                weights = {
+                    n: torch.zeros_like(t, device="cuda:0") for n, t in as_tensors(lent.layout, lent.region).items()
+                }
+                for name, w in weights.items():  # an apply: one copy per tensor, from the slot
+                    w.copy_(as_tensors(lent.layout, lent.region)[name])
+                assert checksums(weights) == want
+                assert len((await registry.status()).leases) == 1
+                regions.append(lent.region)
+        assert regions[0] is regions[1] and puller.mirror is None and puller.metrics()["pull/borrows"] == 2
+        assert (await registry.status()).leases == ()
+        other = "cpu" if slot_device != "cpu" else "cuda:0"  # across PCIe: a pull's job
+        with pytest.raises(InvalidArgumentError, match="cannot lend v.* in place"):
+            async with Puller(registry, transport, device=other).borrow():
+                pass
+        await puller.aclose()
+        await transport.aclose()
     finally:
         await anyio.to_thread.run_sync(proc.stop)
