@@ -65,7 +65,13 @@ async def test_puller_metrics_per_pull(world):
     pub = world.publisher(num_slots=4)
     bandwidth = NBYTES / 2.0  # 3328 B/s: a read of READ bytes takes 1.90 s
     puller = world.puller(world.transport(faults=FakeFaults(bandwidth=bandwidth)), ttl=1.5)
-    assert puller.metrics() == {"pull/pulls": 0, "pull/failed": 0, "pull/torn_reads": 0, "pull/stalls": 0, "pull/borrows": 0}
+    assert puller.metrics() == {
+        "pull/pulls": 0,
+        "pull/failed": 0,
+        "pull/torn_reads": 0,
+        "pull/stalls": 0,
+        "pull/borrows": 0,
+    }
     await pub.publish(1, host_tensors(1))
     async with autojump(world.clock):
         await puller.pull()
