@@ -177,15 +177,12 @@ class _Pacer:
 
 
 @attrs.frozen
-class Pulled:
-    """A complete, verified copy of one version, in the puller's mirror. It stays valid
-    until the next `pull` into the same mirror starts."""
+class _VersionBytes:
+    """One version's bytes in `region`, laid out as its manifest says."""
 
     version: int
     manifest: Manifest
     region: Region
-    seconds: float
-    renewals: int
 
     @property
     def nbytes(self) -> int:
@@ -196,34 +193,25 @@ class Pulled:
         return self.manifest.layout
 
     def view(self, name: str) -> memoryview:
-        """The bytes of tensor `name` in a host mirror."""
+        """The bytes of tensor `name`, where they are in host memory."""
         p = self.manifest.layout[name]
         return self.region.host_view()[p.offset : p.end]
 
 
 @attrs.frozen
-class Borrowed:
-    """A READY version read in place: the publisher's slot itself, mapped into this
-    process (`Puller.borrow`). Valid only inside the block that borrowed it; read it,
-    never write it."""
+class Pulled(_VersionBytes):
+    """A complete, verified copy of one version, in the puller's mirror. It stays valid
+    until the next `pull` into the same mirror starts."""
 
-    version: int
-    manifest: Manifest
-    region: Region  # the slot's memory, as `device` reads it
-    renewals: int = 0
+    seconds: float
+    renewals: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.manifest.nbytes
 
-    @property
-    def layout(self) -> Layout:
-        return self.manifest.layout
-
-    def view(self, name: str) -> memoryview:
-        """The bytes of tensor `name` in a host slot (read-only)."""
-        p = self.manifest.layout[name]
-        return self.region.host_view()[p.offset : p.end]
+@attrs.frozen
+class Borrowed(_VersionBytes):
+    """A READY version read in place: `region` is the publisher's slot itself, mapped
+    into this process, as the puller's device reads it (`Puller.borrow`). Valid only
+    inside the block that borrowed it; read it, never write it."""
 
 
 def _default_holder(registry: Registry) -> str:

@@ -250,46 +250,36 @@ async def _run_flow(
     try:
         for version in range(setup.versions + SLOTS):
             note(f"{name} v{version}: publishing")
-            if setup.in_place:
+            pulled = None  # in place: no copy of it here
+            if setup.in_place:  # applied straight from the trainer's slot once READY
                 trainer.start_publish(version)
                 pull_s, apply_s = await _borrow_and_apply(puller, version, weights, views)
                 serving = time.monotonic()
-                started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.published)
-                manifest = Manifest.from_dict(manifest_dict)
-                rows.append(
-                    {
-                        "block_s": blocking_s,
-                        "announce_s": announced_s,
-                        "pull_s": pull_s,
-                        "apply_s": apply_s,
-                        "serving_s": serving - started,
-                    }
-                )
-                tick(f"{name} v{version}")
-                continue
-            if setup.stream:  # pull as the trainer writes; the registry is the trainer's too
-                trainer.start_publish(version)
-                t = time.monotonic()
-                pulled = await _pull_streaming(puller, version)
-                pull_s = time.monotonic() - t
             else:
-                started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(
-                    trainer.publish, version
-                )
-                manifest = Manifest.from_dict(manifest_dict)
-                await registry.begin(version, publisher=manifest.publisher, slot=manifest.slot)
-                await registry.commit(manifest)
-                if version:  # as the trainer's own registry does before reusing its slot
-                    await registry.reclaim(version - 1)
-                note(f"{name} v{version}: pulling")
+                if setup.stream:  # pull as the trainer writes; the registry is the trainer's too
+                    trainer.start_publish(version)
+                    t = time.monotonic()
+                    pulled = await _pull_streaming(puller, version)
+                    pull_s = time.monotonic() - t
+                else:
+                    started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(
+                        trainer.publish, version
+                    )
+                    manifest = Manifest.from_dict(manifest_dict)
+                    await registry.begin(version, publisher=manifest.publisher, slot=manifest.slot)
+                    await registry.commit(manifest)
+                    if version:  # as the trainer's own registry does before reusing its slot
+                        await registry.reclaim(version - 1)
+                    note(f"{name} v{version}: pulling")
+                    t = time.monotonic()
+                    pulled = await puller.pull()
+                    pull_s = time.monotonic() - t
+                mirror = views.of(pulled.region, pulled.layout)
                 t = time.monotonic()
-                pulled = await puller.pull()
-                pull_s = time.monotonic() - t
-            mirror = views.of(pulled.region, pulled.layout)
-            t = time.monotonic()
-            apply(weights, mirror, setup.device)
-            serving = time.monotonic()
-            if setup.stream:
+                apply(weights, mirror, setup.device)
+                serving = time.monotonic()
+                apply_s = serving - t
+            if setup.stream or setup.in_place:
                 started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.published)
                 manifest = Manifest.from_dict(manifest_dict)
             rows.append(
@@ -297,13 +287,13 @@ async def _run_flow(
                     "block_s": blocking_s,
                     "announce_s": announced_s,
                     "pull_s": pull_s,
-                    "apply_s": serving - t,
+                    "apply_s": apply_s,
                     "serving_s": serving - started,
                 }
             )
-            note(f"{name} v{version}: raw read")
-            raw_s = await raw.seconds(manifest, pulled.region)  # after serving: off the clock
-            rows[-1]["raw_s"] = raw_s
+            if pulled is not None:
+                note(f"{name} v{version}: raw read")
+                rows[-1]["raw_s"] = await raw.seconds(manifest, pulled.region)  # after serving: off the clock
             tick(f"{name} v{version}")
         h2d = (
             [await to_device_seconds(puller.transport, pulled) for _ in range(3)]

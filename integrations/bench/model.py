@@ -147,6 +147,10 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f} GB/s"
 
 
+def _limit_row(label: str, ms: float) -> list[str]:
+    return [f"  {label}", "", "", "", _ms(ms), "", "", ""]
+
+
 def _first_row(t: dict[str, Any]) -> list[str]:
     """The first version's publish->serving (slots and mirror mapped ahead), beside the steady one's."""
     ratio = t.get("first_to_steady")
@@ -167,18 +171,21 @@ def table(r: dict[str, Any]) -> list[str]:
     rows = [["", "publish block", "pull", "apply pause", "publish->serving", "pull/raw", "pull/limit", "exact"]]
     for t in r["transports"]:
         lm = t["limits"]
-        if t.get("in_place"):  # the same path applied straight from the slot: no mirror, one copy fewer
+        if t.get("in_place") or t.get("stream"):  # the same path, streamed or in place, beside its limit
+            in_place = bool(t.get("in_place"))
+            label, limit = (
+                ("in place (applied straight from the slot", ("ratio_to_in_place_limit", "in-place limit"))
+                if in_place
+                else ("streamed (read while written", ("ratio_to_overlapped_limit", "overlapped limit"))
+            )
+            ratios = ", ".join(
+                f"x{t[k]} of {what}" for k, what in (("ratio_to_serial", "serial"), limit) if t.get(k) is not None
+            )
             rows.append(
                 [
-                    "  in place (applied straight from the slot; "
-                    + ", ".join(
-                        f"x{t[k]} of {what}"
-                        for k, what in (("ratio_to_serial", "serial"), ("ratio_to_in_place_limit", "in-place limit"))
-                        if t.get(k) is not None
-                    )
-                    + ")",
+                    f"  {label}; {ratios})",
                     _ms(t["publish_block_ms"]),
-                    "-",
+                    "-" if in_place else _rate(t["pull_gbps"]),
                     _ms(t["apply_pause_ms"]),
                     _ms(t["publish_to_serving_ms"]),
                     "",
@@ -187,45 +194,11 @@ def table(r: dict[str, Any]) -> list[str]:
                 ]
             )
             rows.append(_first_row(t))
-            rows.append(
-                ["  in-place limit (cast into the slot, then apply)", "", "", "", _ms(lm["in_place_ms"]), "", "", ""]
-            )
-            continue
-        if t.get("stream"):  # the same path read while written: what it gains, and the limit of overlapping
-            rows.append(
-                [
-                    "  streamed (read while written; "
-                    + ", ".join(
-                        f"x{t[k]} of {what}"
-                        for k, what in (
-                            ("ratio_to_serial", "serial"),
-                            ("ratio_to_overlapped_limit", "overlapped limit"),
-                        )
-                        if t.get(k) is not None
-                    )
-                    + ")",
-                    _ms(t["publish_block_ms"]),
-                    _rate(t["pull_gbps"]),
-                    _ms(t["apply_pause_ms"]),
-                    _ms(t["publish_to_serving_ms"]),
-                    "",
-                    "",
-                    "yes" if t["byte_exact"] else "NO",
-                ]
-            )
-            rows.append(_first_row(t))
-            if lm.get("overlapped_ms") is not None:
+            if in_place:
+                rows.append(_limit_row("in-place limit (cast into the slot, then apply)", lm["in_place_ms"]))
+            elif lm.get("overlapped_ms") is not None:
                 rows.append(
-                    [
-                        "  overlapped limit (slot copy and pull at once, then apply)",
-                        "",
-                        "",
-                        "",
-                        _ms(lm["overlapped_ms"]),
-                        "",
-                        "",
-                        "",
-                    ]
+                    _limit_row("overlapped limit (slot copy and pull at once, then apply)", lm["overlapped_ms"])
                 )
             continue
         rows.append(
