@@ -505,6 +505,7 @@ class Puller:
             self._keep_manifest(await self.registry.wait_for_version(version or 0, timeout=wait))
         started = self.clock.now()
         lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        renewal = None
         try:
             manifest = await self._manifest(lease.version)
             check_transport(manifest, self.transport)
@@ -540,21 +541,21 @@ class Puller:
                         tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise first_error(group) from None
-            lease = renewal.lease
             await renewal.check("while it was borrowed; what was read of it may mix versions")
             self._counts["borrows"] += 1
         finally:
-            await release_quietly(self.registry, lease, self.holder)
+            await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
 
     async def prepare(self, *, mirror: bool = True) -> int:
         """Do now what the first pull would do first, from the slots publishers registered
         ahead (`Publisher.reserve`): register the mirror at the size their versions take
         (unless `mirror=False`: a replica that only `borrow`s keeps none), connect to each
-        slot and map it (page-locking a host slot takes seconds for gigabytes). It runs in worker threads, so the event loop keeps renewing leases,
-        and pulls wait for it. Returns the slots mapped: 0 while no publisher over this
-        transport has reserved any (or the registry takes no reservations). Calling it
-        again maps slots reserved since; a slot it cannot map is logged and left to the
-        first pull, which fails on it as it would have anyway."""
+        slot and map it (page-locking a host slot takes seconds for gigabytes). It runs
+        in worker threads, so the event loop keeps renewing leases, and pulls wait for it.
+        Returns the slots mapped: 0 while no publisher over this transport has reserved
+        any (or the registry takes no reservations). Calling it again maps slots reserved
+        since; a slot it cannot map is logged and left to the first pull, which fails on
+        it as it would have anyway."""
         if not isinstance(self.registry, ReservingRegistry):
             return 0
         if self._lock is None:
