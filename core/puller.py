@@ -11,6 +11,7 @@ may be torn, and it is rejected.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 import uuid
@@ -514,7 +515,7 @@ class Puller:
                     f"v{manifest.version} is sharded over {len(manifest.shards)} slots; pull() it into a mirror"
                 )
             try:
-                region = await anyio.to_thread.run_sync(self.transport.view, self._remote(manifest.source), self.device)
+                region = await self._view(manifest)
             except (RegionNotRegisteredError, PeerGoneError):
                 self._forget(manifest)  # connect afresh next time
                 raise
@@ -932,6 +933,12 @@ class Puller:
             self.mirror = None
         self.mirror = self.transport.allocate(layout.total_bytes, self.device)
         return self.mirror
+
+    async def _view(self, manifest: Manifest) -> Region | None:
+        """The slot lent in place; in a worker thread where the driver's mapping may take
+        seconds (page-locking a host slot), as `_allocate` does."""
+        view = functools.partial(self.transport.view, self._remote(manifest.source), self.device)
+        return await anyio.to_thread.run_sync(view) if self.transport.slow_allocate else view()
 
     async def _allocate(self, nbytes: int) -> Region:
         """A mirror made ahead, its pages touched: the first pull then runs as the rest."""

@@ -1,5 +1,5 @@
 """The protocol in real concurrency: one or two trainers (each its own publisher), readers,
-a lease hoarder and a version waiter run as anyio tasks on one fake clock that jumps whenever every task waits (the harness' `autojump`,
+a lease hoarder, a version waiter and a replica that borrows slots in place run as anyio tasks on one fake clock that jumps whenever every task waits (the harness' `autojump`,
 which also fails the run if all wait with no timer pending: a hang).
 
 Hypothesis draws each actor's program; the interleaving is whatever the awaits make of
@@ -15,12 +15,12 @@ from __future__ import annotations
 import anyio
 import attrs
 import pytest
-from hypothesis import given
+from hypothesis import given, note
 from hypothesis import strategies as st
 
-from weightpull import NoReadyVersionError, Publisher, VersionWaitTimeoutError, WhenFull
+from weightpull import NoReadyVersionError, Publisher, TornReadError, VersionWaitTimeoutError, WhenFull
 
-from .harness import EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump
+from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump
 from .profiles import example, fuzz
 
 LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
@@ -63,6 +63,13 @@ class Wait:
 
 
 @attrs.frozen
+class Borrow:
+    pause: float
+    hold: float  # the block reads the slot for this long, on its process's clock
+    freeze: tuple[float, float] | None = None  # after [0] seconds its process stops for [1]
+
+
+@attrs.frozen
 class Scenario:
     num_slots: int
     trainers: tuple[tuple[float, tuple[Publish, ...]], ...]  # one publisher each: (copy seconds, program)
@@ -73,6 +80,7 @@ class Scenario:
     # streamed (`Puller(stream=True)`), by index; those left out do not.
     trainer_streams: tuple[bool, ...] = ()
     reader_streams: tuple[bool, ...] = ()
+    borrows: tuple[Borrow, ...] = ()  # one process's `Puller.borrow` blocks
 
 
 publishes = st.builds(
@@ -113,6 +121,9 @@ scenarios = st.builds(
     ),
     st.lists(st.booleans(), min_size=2, max_size=2).map(tuple),
     st.lists(st.booleans(), min_size=3, max_size=3).map(tuple),
+    st.lists(st.builds(Borrow, half_seconds, half_seconds.map(lambda s: 2 * s), st.none() | pauses), max_size=4).map(
+        tuple
+    ),
 )
 
 
@@ -184,6 +195,45 @@ async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
         await world.check(publishing=True)
 
 
+async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
+    """A replica applying straight from the slot: a borrow whose block ends without
+    `TornReadError` read its version's own bytes from start to end (the slot was never
+    rewritten under it); one rejected had its lease lapse (its process froze)."""
+    process = world.reader()
+    for step in program:
+        await world.clock.sleep(step.pause)
+        granted: list = []
+        _GRANTS.set(granted)
+        read: list[tuple[int, dict[str, bytes], dict[str, bytes]]] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                if step.freeze is not None:
+                    tg.start_soon(freeze, process, *step.freeze)
+                async with process.puller.borrow() as lent:
+                    names = [p.spec.name for p in lent.layout.placements]
+                    first = {n: bytes(lent.view(n)) for n in names}
+                    await process.clock.sleep(step.hold)
+                    read.append((lent.version, first, {n: bytes(lent.view(n)) for n in names}))
+        except BaseExceptionGroup as group:
+            exc = _first(group)
+            if isinstance(exc, NoReadyVersionError):
+                assert not granted, "a lease granted, yet no borrow"  # (a READY version may have come since)
+            elif isinstance(exc, TornReadError):
+                (record,) = granted
+                assert record.lapsed(world.clock.now()), f"v{record.lease.version}'s borrow rejected, its lease whole"
+                note("borrow: rejected, its lease lapsed")
+            else:
+                raise exc from None
+        else:
+            (record,) = granted
+            version, first, last = read[0]
+            assert not record.lapsed(world.clock.now()), f"a borrow of v{version} kept, though its lease lapsed"
+            assert first == last == world.model.contents[version], f"the slot of v{version} changed while borrowed"
+            note("borrow: whole")
+        process.clock.thaw()
+        await world.check(publishing=True)
+
+
 async def waiter(world: World, program: tuple[Wait, ...]) -> None:
     """wait_for_version returns the newest READY once it is new enough, or gives up
     exactly at its timeout: it never waits forever."""
@@ -217,6 +267,7 @@ async def play(scenario: Scenario) -> None:
                 tg.start_soon(reader, world, bandwidth, program, stream)
             tg.start_soon(hoarder, world, scenario.hoarder)
             tg.start_soon(waiter, world, scenario.waiter)
+            tg.start_soon(borrower, world, scenario.borrows)
 
     async def watchdog() -> None:
         await clock.sleep(LIMIT)
