@@ -564,10 +564,11 @@ class Puller:
         async with self._lock:
             found = [r for r in await self.registry.reservations() if r.transport == self.transport.name]
             nbytes = max((r.nbytes for r in found), default=0)
-            if mirror and self.mirror is None and nbytes:  # only a first mirror: a later one may be being applied
-                self.mirror = await self._allocate(nbytes)
-            if mirror and self.spare_mirror and self._spare[0] is None and nbytes:
-                self._spare = (await self._allocate(nbytes), None, None)
+            if mirror and nbytes:
+                if self.mirror is None:  # only a first mirror: a later one may be being applied
+                    self.mirror = await self._allocate(nbytes)
+                if self.spare_mirror and self._spare[0] is None:
+                    self._spare = (await self._allocate(nbytes), None, None)
             sources = [source for r in found for source in r.sources]
             mapped = 0
             for source in sources:

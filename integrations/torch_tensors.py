@@ -25,10 +25,12 @@ def tensor_at(region: Region, placement: Placement) -> torch.Tensor:
     dtype = torch_dtype(spec.dtype)
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype, device=region.device)
-    if region.view is not None:
-        with warnings.catch_warnings():  # a borrowed slot's view is read-only, and read only
+    if region.view is not None and region.view.readonly:  # a borrowed slot's: read, never written
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
             raw = torch.frombuffer(region.view, dtype=torch.uint8, count=spec.nbytes, offset=placement.offset)
+    elif region.view is not None:
+        raw = torch.frombuffer(region.view, dtype=torch.uint8, count=spec.nbytes, offset=placement.offset)
     else:
         raw = region.memory[placement.offset : placement.end]
     return raw.view(dtype).view(spec.shape)

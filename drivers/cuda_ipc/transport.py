@@ -68,6 +68,14 @@ class _Mapped:
         }
 
 
+def _connected(remote: Remote) -> Import:
+    """The import behind `remote`, while this driver's connection to it stands."""
+    imp = remote.handle
+    if not isinstance(imp, Import) or not imp.connected:
+        raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+    return imp
+
+
 def _device_index(device: str) -> int:
     torch = _torch()
     d = torch.device(device)
@@ -281,9 +289,7 @@ class CudaIpcTransport(RegionTable, Transport):
         """Map `remote` for reads into `device` memory now: a host slot is page-locked
         (seconds for gigabytes), a GPU slot's IPC handle opened on that GPU."""
         self._check_open()
-        imp = remote.handle
-        if not isinstance(imp, Import) or not imp.connected:
-            raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+        imp = _connected(remote)
         index = self.device if device == "cpu" else _device_index(device)
         imp.check_owner(f"mapping a region of process {imp.owner_pid}")
         if imp.needs_host_map:
@@ -296,18 +302,15 @@ class CudaIpcTransport(RegionTable, Transport):
         read-only view of its mapping. None for the other pairings: those cross PCIe,
         which a copy into a mirror crosses once and a read in place on every use."""
         self._check_open()
-        imp = remote.handle
-        if not isinstance(imp, Import) or not imp.connected:
-            raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+        imp = _connected(remote)
         if imp.host != (device == "cpu"):
             return None
         imp.check_owner(f"viewing a region of process {imp.owner_pid}")
         check_span("exported", 0, remote.nbytes, imp.exported)
         where = "cpu" if imp.host else f"cuda:{_device_index(device)}"
-        key = f"{where}/{remote.nbytes}"
-        region = imp.views.get(key)  # made once: callers key their typed views by it
+        region = imp.views.get(where)  # made once: callers key their typed views by it
         if region is None:
-            region = imp.views[key] = self._view(imp, remote.nbytes, where)
+            region = imp.views[where] = self._view(imp, remote.nbytes, where)
         return region
 
     def _view(self, imp: Import, nbytes: int, where: str) -> Region:
@@ -432,9 +435,7 @@ class CudaIpcTransport(RegionTable, Transport):
         self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int, checked: set[Import]
     ) -> tuple[Lane, int, int]:
         """Check one read; return (the lane that copies it, destination, source)."""
-        imp = remote.handle
-        if not isinstance(imp, Import) or not imp.connected:
-            raise InvalidArgumentError("that remote was not connected by this cuda_ipc transport, or was disconnected")
+        imp = _connected(remote)
         reg = self._mine(local, "read into")
         check_span("remote", remote_offset, nbytes, remote.nbytes)
         check_span("local", local_offset, nbytes, local.nbytes)

@@ -58,6 +58,11 @@ class Setup:
     registry: str | None = None  # the served registry's address (a streamed flow's, set by run_flow)
 
     @property
+    def trainer_streams(self) -> bool:
+        """The trainer casts straight into its slot and marks it (a streamed or in-place flow)."""
+        return self.stream or self.in_place
+
+    @property
     def cuda(self) -> bool:
         return self.device != "cpu"
 
@@ -115,7 +120,7 @@ def _train(conn: Any, setup: Setup) -> None:
         slot_device=setup.slot,
         num_slots=SLOTS,
         name=f"bench-trainer-{setup.transport}",
-        stream=setup.stream or setup.in_place,
+        stream=setup.trainer_streams,
     ) as publisher:
         reserved = publisher.publisher.reservation
         conn.send(("ready", None if reserved is None else reserved.to_dict()))
@@ -129,9 +134,10 @@ def _train(conn: Any, setup: Setup) -> None:
             announced = time.monotonic() - started
             conn.send(("published", started, ticket.blocking_s, announced, result.manifest.to_dict()))
         # The last version, as published: cast afresh when streamed (no staging buffer then).
-        streamed = setup.stream or setup.in_place
         published = (
-            {n: p.to(torch.bfloat16) for n, p in params.items()} if streamed else dict(publisher.staging.items())
+            {n: p.to(torch.bfloat16) for n, p in params.items()}
+            if setup.trainer_streams
+            else dict(publisher.staging.items())
         )
         conn.send(("stopped", sums(published)))
     anyio.run(transport.aclose)
@@ -178,7 +184,7 @@ def apply(weights: dict[str, torch.Tensor], mirror: dict[str, torch.Tensor], dev
 async def run_flow(setup: Setup, tick: Callable[[str], None], note: Callable[[str], None]) -> dict[str, Any]:
     """Every version published, pulled and applied; medians of the measured versions.
     `tick` marks a version done, `note` says what runs now (so a stall shows where)."""
-    if not (setup.stream or setup.in_place):
+    if not setup.trainer_streams:
         return await _run_flow(setup, InProcessRegistry(), tick, note)
     from weightpull.drivers.zmq_registry.server import RegistryServer  # a streamed flow's marks cross processes
 
@@ -239,7 +245,7 @@ async def _run_flow(
     transport = create_transport(setup.transport, **setup.options)
     puller = Puller(registry, transport, device=setup.device, ttl=60.0, stream=setup.stream)
     raw = RawRead(setup.transport, puller.transport, pinned=setup.cuda)
-    if not setup.stream and not setup.in_place and trainer.reservation is not None:
+    if not setup.trainer_streams and trainer.reservation is not None:
         await registry.reserve(trainer.reservation)
     note(f"{name}: mapping the trainer's slots ahead")
     await puller.prepare(mirror=not setup.in_place)  # as a replica's update agent does at its start
@@ -279,7 +285,7 @@ async def _run_flow(
                 apply(weights, mirror, setup.device)
                 serving = time.monotonic()
                 apply_s = serving - t
-            if setup.stream or setup.in_place:
+            if setup.trainer_streams:
                 started, blocking_s, announced_s, manifest_dict = await anyio.to_thread.run_sync(trainer.published)
                 manifest = Manifest.from_dict(manifest_dict)
             rows.append(

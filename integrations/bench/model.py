@@ -106,11 +106,11 @@ async def run(
             if (setup.stream or setup.in_place) and serial is not None:  # the same path, serially, before
                 r["serial_publish_to_serving_ms"] = serial["publish_to_serving_ms"]
                 r["ratio_to_serial"] = _ratio(r["publish_to_serving_ms"], serial["publish_to_serving_ms"])
+            if setup.stream and serial is not None:
                 r["ratio_to_overlapped_limit"] = _ratio(r["publish_to_serving_ms"], path["overlapped_ms"])
             if setup.in_place:  # one copy in the trainer, one in the apply: nothing to overlap
                 r["in_place_limit_ms"] = path["in_place_ms"]
                 r["ratio_to_in_place_limit"] = _ratio(r["publish_to_serving_ms"], path["in_place_ms"])
-                r.pop("ratio_to_overlapped_limit", None)
             if not (setup.stream or setup.in_place):
                 serial = r
             results.append(r)
