@@ -21,7 +21,7 @@ from weightpull import errors
 from weightpull.agent import PauseMode, UpdateAgent
 from weightpull.clock import Clock, MonotonicClock
 from weightpull.dispatcher import Prompt
-from weightpull.errors import ApplyError, PullError, WeightpullError
+from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
 from weightpull.registry import Registry
 from weightpull.staleness import Trajectory
 
@@ -39,9 +39,33 @@ def _error(info: Mapping[str, str]) -> WeightpullError:
     return PullError(f"{info['type']}: {info['message']}")
 
 
+def _relay_host(_: Any, __: attrs.Attribute[str | None], host: str | None) -> None:
+    if host is not None and (not isinstance(host, str) or not host):
+        raise InvalidArgumentError(f"PullSpec.host must be a non-empty string or None, got {host!r}")
+
+
+def _flag(what: str) -> Any:
+    def check(_: Any, __: Any, value: object) -> None:
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"PullSpec.{what} must be True or False, got {value!r}")
+
+    return check
+
+
+def _relay_cap(_: Any, __: attrs.Attribute[int | None], cap: int | None) -> None:
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise InvalidArgumentError(f"PullSpec.relay_cap must be a positive int or None (no cap), got {cap!r}")
+
+
+def _stream(_: Any, __: attrs.Attribute[bool | None], stream: bool | None) -> None:
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidArgumentError(f"PullSpec.stream must be True, False or None (as host says), got {stream!r}")
+
+
 @attrs.frozen
 class PullSpec:
-    """How each worker reaches the registry and the publisher's memory."""
+    """How each worker reaches the registry and the publisher's memory, and whether it
+    reads from other replicas' mirrors and offers its own (relays: docs/vllm.md#relays)."""
 
     registry: str  # the served registry's address
     holder: str  # the lease holder's name (the replica's)
@@ -60,6 +84,40 @@ class PullSpec:
     # Each tensor-parallel worker pulls only its slice: the elements its own weight loaders
     # read, recorded from the engine at start (docs/sharding.md). Else each pulls the whole.
     sharded: bool = False
+    # This replica's host name: each pull's lease is placed by the registry's policy, at
+    # the trainer's slot or at a relay (another replica's mirror), the same host's first;
+    # bytes from a relay are checked bucket by bucket against the publisher's digests.
+    host: str | None = attrs.field(default=None, validator=_relay_host)
+    # Offer each worker's mirror to other replicas while it fills and after (needs host).
+    relay: bool = attrs.field(default=False, validator=_flag("relay"))
+    relay_cap: int | None = attrs.field(default=None, validator=_relay_cap)  # readers at once; None: no cap
+    # Read a version bucket by bucket as its source holds it (a relay still receiving it);
+    # None: when host is set. A relay streams.
+    stream: bool | None = attrs.field(default=None, validator=_stream)
+
+    def __attrs_post_init__(self) -> None:
+        """The relay options' combinations, refused here rather than in every worker."""
+        if self.relay and self.host is None:
+            raise InvalidArgumentError("PullSpec.relay needs PullSpec.host: the registry places readers by host")
+        if self.relay and self.stream is False:
+            raise InvalidArgumentError(
+                "PullSpec.relay forwards each bucket as it lands: leave PullSpec.stream unset or True"
+            )
+        if self.relay_cap is not None and not self.relay:
+            raise InvalidArgumentError("PullSpec.relay_cap caps a relay's readers: it needs PullSpec.relay=True")
+        if self.sharded:
+            for name in ("host", "relay", "stream"):
+                if getattr(self, name) not in (None, False):
+                    raise InvalidArgumentError(
+                        f"PullSpec.{name} cannot go with PullSpec.sharded=True: a rank's slice is read from "
+                        "the trainer's shards alone (relays serve whole versions, and sliced pulls do not stream)"
+                    )
+        # The digest check of a relay's bytes runs on host memory (as `Puller(host=)` says).
+        if self.host is not None and self.mirror_device != "cpu":
+            raise InvalidArgumentError(
+                f"PullSpec.host reads from relays, whose bytes are checked against the publisher's digests "
+                f"on host mirrors only: PullSpec.mirror_device must be 'cpu' with it, got {self.mirror_device!r}"
+            )
 
 
 class VllmEngine:

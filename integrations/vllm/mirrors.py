@@ -5,6 +5,12 @@ the engine serves, the other (the spare) takes the next one. A new version is pu
 into the spare only, so a failed apply can reload the serving mirror, and a torn read
 lands in the spare and goes no further.
 
+A relaying replica (`relay=True`) offers each mirror to other replicas as it fills, and
+the offer stands after: the serving mirror serves readers while the spare takes the
+next version, so the pair is the relay's buffer of its own (no `spare_mirror`, which
+would give each of the two mirrors a third and a fourth). Before the spare is written,
+its older offer is withdrawn and the pull waits while leases still read it.
+
 Pulls run on an event loop of their own, in a background thread, because the engine's
 thread runs its own loop and must not wait on one: `BackgroundPulls` is the synchronous
 face that thread offers the engine. Nothing here imports vLLM.
@@ -16,14 +22,15 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
+import anyio
 import anyio.from_thread
 import torch
 
 from weightpull.errors import InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import Pulled, Puller
-from weightpull.registry import Registry
+from weightpull.registry import Registry, RelayingRegistry
 from weightpull.slice_puller import SlicePulled, SlicePuller
 from weightpull.slices import RankSlice
 from weightpull.transport import Transport
@@ -55,14 +62,53 @@ class MirrorPair:
             else SlicePuller(registry, transport, rank_slice, holder=holder, ttl=ttl, **puller)
             for _ in range(2)
         ]
+        self.registry = registry
         self.current: Any = None  # what the engine serves (a Pulled or SlicePulled), from the mirror it lies in
         self._spare = 0
+        # Per mirror, the versions it was offered for as a relay that leases may still read
+        # from it: each is forgotten only once withdrawn and read by no lease.
+        self._offered: list[set[int]] = [set(), set()]
 
     async def pull(self, version: int) -> Any:
         """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable).
         A cancelled pull unwinds before the next one writes the spare: the puller
-        runs one pull at a time."""
-        return await self.pullers[self._spare].pull(version)
+        runs one pull at a time. A relay's spare is first kept for its readers."""
+        index = self._spare
+        try:
+            await self._keep_for_readers(index)
+            return await self.pullers[index].pull(version)
+        finally:
+            self._note_offer(index)
+
+    def _note_offer(self, index: int) -> None:
+        offered = getattr(self.pullers[index], "offered", None)  # a relay's (`Puller.offered`)
+        if offered is not None:
+            self._offered[index].add(offered)
+
+    async def _keep_for_readers(self, index: int) -> None:
+        """Before mirror `index` is written: withdraw each of its offers, then wait while
+        leases still read it (each ends within its TTL). The puller does the same before
+        its pull, but forgets the offer as it starts to wait; a pull cancelled meanwhile
+        (a prefetch of another version cancels it) would leave the next one writing
+        under its readers. Here the offer is forgotten only once no lease reads it."""
+        self._note_offer(index)
+        if not self._offered[index]:
+            return
+        puller = self.pullers[index]
+        registry = cast(RelayingRegistry, self.registry)
+        for version in sorted(self._offered[index]):
+            await registry.withdraw(version, holder=puller.holder)
+            while await registry.readers_at(version, puller.holder):
+                await puller.clock.sleep(min(0.05, puller.ttl / 10))
+            self._offered[index].discard(version)
+
+    @property
+    def offered(self) -> list[int]:
+        """The versions this pair's mirrors offer, or did and are still kept for readers.
+        Read from the engine's thread while pulls run on their own: copies, no writes."""
+        kept = {version for index in range(2) for version in frozenset(self._offered[index])}
+        now = {v for p in self.pullers if (v := getattr(p, "offered", None)) is not None}
+        return sorted(kept | now)
 
     async def prepare(self) -> int:
         """Size both mirrors and map the slots publishers reserved ahead (`Puller.prepare`);
@@ -77,7 +123,21 @@ class MirrorPair:
         self.current = pulled
         self._spare = 1 - index
 
-    async def aclose(self) -> None:
+    async def aclose(self, keep_for: float = 0.0) -> None:
+        """Deregister both mirrors; a relay's first withdraws its offers and waits while
+        leases read them, at most `keep_for` seconds (its readers check every bucket
+        against the publisher's digests, so one cut short reads its copy elsewhere)."""
+        try:
+            registry = cast(RelayingRegistry, self.registry)
+            for index in range(2):  # first every offer, so that no new reader comes
+                self._note_offer(index)
+                for version in sorted(self._offered[index]):
+                    await registry.withdraw(version, holder=self.pullers[index].holder)
+            with anyio.move_on_after(keep_for):
+                for index in range(2):
+                    await self._keep_for_readers(index)
+        except WeightpullError as exc:
+            log.warning("could not withdraw a relay's offers before closing its mirrors: %s", exc)
         for puller in self.pullers:
             await puller.aclose()
 
@@ -112,17 +172,25 @@ class BackgroundPulls:
         ttl: float = 10.0,
         device: str = "cpu",
         rank_slice: RankSlice | None = None,
+        **relaying: Any,
     ) -> None:
+        """`relaying`: the `Puller`'s `host`, `stream`, `relay` and `relay_cap`, for both
+        mirrors. A relay's transport is served here (`Transport.serve`): its readers'
+        reads of a NIXL mirror need this process's progress."""
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
             registry, self._transport = self._portal.call(setup)
             self.pair = MirrorPair(
-                registry, self._transport, holder=holder, ttl=ttl, device=device, rank_slice=rank_slice
+                registry, self._transport, holder=holder, ttl=ttl, device=device, rank_slice=rank_slice, **relaying
             )
         except BaseException:
             self._stack.close()
             raise
+        self._ttl = ttl
+        self._serving: concurrent.futures.Future[Any] | None = None
+        if relaying.get("relay"):
+            self._serving = self._portal.start_task_soon(self._transport.serve)
         self._version: int | None = None  # the version of the pull below
         self._future: concurrent.futures.Future[Any] | None = None
 
@@ -162,6 +230,7 @@ class BackgroundPulls:
             "serving": self.pair.current.version if self.pair.current else None,
             "bytes": nbytes,  # what the pull read: the whole version, or this rank's slice
             "serving_bytes": self.pair.current.nbytes if self.pair.current else None,
+            "offered": self.pair.offered,  # as a relay: versions offered, or kept for their readers
         }
 
     def take(self, version: int, timeout: float | None = None) -> Any:
@@ -178,9 +247,14 @@ class BackgroundPulls:
         return pulled
 
     def close(self) -> None:
+        """Stop the pull under way, then deregister the mirrors: a relay's once its offers
+        are withdrawn and no lease reads them, or after a TTL at most."""
         if self._future is not None:
             self._future.cancel()
+            concurrent.futures.wait([self._future], timeout=self._ttl)  # it unwinds before its mirror goes
         with contextlib.suppress(WeightpullError):
-            self._portal.call(self.pair.aclose)
+            self._portal.call(self.pair.aclose, self._ttl)
+            if self._serving is not None:
+                self._serving.cancel()
             self._portal.call(self._transport.aclose)
         self._stack.close()

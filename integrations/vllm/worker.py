@@ -7,7 +7,9 @@ Everything crossing `collective_rpc` is plain data (versions, dicts, error text)
 the engine runs in its own process, tensors would arrive as lists.
 
 - `weightpull_start(spec)`: connect to the registry, open the transport, register the
-  two mirrors (see `mirrors.py`); pulls then run on a thread of their own.
+  two mirrors (see `mirrors.py`); pulls then run on a thread of their own. With the
+  spec's `host`, each lease is placed by the registry at the trainer's slot or another
+  replica's mirror; with `relay`, the worker offers its own mirrors (`mirrors.py`).
 - `weightpull_prefetch(v)`: start pulling `v` into the spare mirror; returns at once.
 - `weightpull_status()`: how that pull stands.
 - `weightpull_apply(v)`: load the mirror through vLLM's layerwise checkpoint-format
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from weightpull.errors import InvalidArgumentError, UnsupportedModelError
+from weightpull.errors import InvalidArgumentError, UnsupportedModelError, WeightpullError
 from weightpull.layout import TensorSpec
 from weightpull.puller import Pulled
 from weightpull.slice_puller import SlicePulled
@@ -56,6 +58,22 @@ def _setup(spec: dict[str, Any]):  # noqa: ANN202 - an async factory for Backgro
         return registry, transport
 
     return setup
+
+
+def relaying(spec: dict[str, Any]) -> dict[str, Any]:
+    """The `Puller`'s relay options from a `PullSpec` (as a dict): none unless it names a
+    host, so that a plain replica's pullers are made as before. `stream` unset streams
+    whenever a host is named."""
+    host = spec.get("host")
+    if host is None:
+        return {"stream": True} if spec.get("stream") else {}
+    stream = spec.get("stream")
+    return {
+        "host": host,
+        "stream": True if stream is None else bool(stream),
+        "relay": bool(spec.get("relay", False)),
+        "relay_cap": spec.get("relay_cap"),
+    }
 
 
 def mirror_device(wanted: str, worker_device: Any) -> str:
@@ -108,13 +126,18 @@ class WeightpullWorker:
                 self._weightpull_sliced = self._weightpull_slice()
             except Exception as exc:  # as data: the engine raises it, typed
                 return {"error": error_info(exc)}
-        self._weightpull = BackgroundPulls(
-            _setup(spec),
-            holder=spec["holder"],
-            ttl=spec.get("ttl", 10.0),
-            device=device,
-            rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
-        )
+        try:
+            self._weightpull = BackgroundPulls(
+                _setup(spec),
+                holder=self._weightpull_holder(spec),
+                ttl=spec.get("ttl", 10.0),
+                device=device,
+                rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
+                **relaying(spec),
+            )
+        except WeightpullError as exc:  # as data: the engine raises it, typed
+            self._weightpull = None
+            return {"error": error_info(exc)}
         return self.weightpull_status()
 
     def weightpull_prepare(self) -> dict[str, Any]:
@@ -169,6 +192,15 @@ class WeightpullWorker:
         if self._weightpull is None:
             raise RuntimeError("weightpull_start was not called on this worker")
         return self._weightpull
+
+    def _weightpull_holder(self, spec: dict[str, Any]) -> str:
+        """The lease holder's name: the replica's; a relay's, per worker where the engine
+        has several (each offers its own mirror, and offers are kept per holder)."""
+        holder = str(spec["holder"])
+        world = getattr(getattr(self, "parallel_config", None), "world_size", 1)
+        if spec.get("relay") and world > 1:
+            return f"{holder}/rank{getattr(self, 'rank', 0)}"
+        return holder
 
     def _weightpull_serving(self) -> int | str | None:
         current = self._weightpull_pulls().pair.current
