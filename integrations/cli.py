@@ -332,6 +332,7 @@ def _registry_serve(args: argparse.Namespace) -> int:
             liveness_ttl=args.liveness_ttl,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            origin_cap=args.origin_cap,
         )
     listening = False
 
@@ -1029,6 +1030,13 @@ def parser() -> argparse.ArgumentParser:
         default=10.0,
         metavar="SECONDS",
         help="how long a principal not heard from stays alive; clients' heartbeats renew it every second (default: 10)",
+    )
+    serve.add_argument(
+        "--origin-cap",
+        type=_count(1),
+        metavar="N",
+        help="the most live leases reading a version's own slot at once, for readers that ask for a source "
+        "(a Puller with host=): past it, the registry places them at relays, or they ask again (default: no cap)",
     )
     serve.add_argument(
         "--secret-file",

@@ -58,6 +58,7 @@ from weightpull.errors import (
 from weightpull.manifest import Manifest
 from weightpull.principals import ADMIN, Principal
 from weightpull.registry import InProcessRegistry, Lease, Reservation
+from weightpull.relays import RelayBook
 
 from . import keys as keyfiles
 from . import wire
@@ -151,6 +152,7 @@ class RegistryServer:
         max_wait: float = MAX_WAIT,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        origin_cap: int | None = None,
     ) -> None:
         """`keys` (a directory of principals' public certificates) with `server_key` (the
         server's secret certificate) serve with CURVE and ZAP; `insecure_dev` (or none of
@@ -159,7 +161,10 @@ class RegistryServer:
         not heard from stays alive (None: never lapses) when `registry` is left to this
         server to make. `metrics_port` (0 picks a free one) serves Prometheus metrics on
         `http://metrics_host:port/metrics` while `serve` runs; they are read-only and
-        unauthenticated, so the host defaults to loopback."""
+        unauthenticated, so the host defaults to loopback. `origin_cap` is the most live
+        leases placed at a version's own slot at once (its publisher's link), for readers
+        that ask for a source (`acquire(host=)`): past it, a reader is placed at a relay, or
+        told `NoSourceError` to ask again (None: no cap; with a `registry` given, its own)."""
         if metrics_port is not None and (not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535):
             raise InvalidArgumentError(f"metrics_port must be a TCP port (0-65535), got {metrics_port!r}")
         chosen = [
@@ -202,8 +207,12 @@ class RegistryServer:
         self.bind = bind
         self.key = secret or b""  # the HMAC key: empty but in the deprecated secret mode
         self.epoch = secrets.token_hex(8)  # this run; a restart draws another
+        if origin_cap is not None and registry is not None:
+            raise InvalidArgumentError("origin_cap caps a registry the server makes; a registry given keeps its own")
         self.registry = registry or InProcessRegistry(liveness_ttl=liveness_ttl)
         self.machine = self.registry.machine  # decides every operation but waiting
+        if origin_cap is not None:  # the server's own machine, nothing offered yet: a book with the cap
+            self.machine.relays = RelayBook(origin_cap=origin_cap)
         self.max_message = max_message
         self.max_wait = max_wait
         self.window = wire.ReplayWindow(replay_window)
