@@ -26,8 +26,9 @@ def nothing_left_behind():
     assert set(namespaces()) <= before, "a test left namespaces behind"
 
 
-def _send(h: Hosts, sender: int, receiver: int, nbytes: int) -> float:
-    """Seconds for `nbytes` over TCP from host `sender` to host `receiver`, as the receiver saw them."""
+def _send(h: Hosts, sender: int, receiver: int, nbytes: int, *, control: bool = False) -> float:
+    """Seconds for `nbytes` over TCP from host `sender` to host `receiver` (at its data
+    address, or its control one), as the receiver saw them."""
     server = subprocess.Popen(
         h.command(
             receiver,
@@ -46,9 +47,8 @@ def _send(h: Hosts, sender: int, receiver: int, nbytes: int) -> float:
         text=True,
     )
     assert server.stdout is not None and server.stdout.readline().strip() == "up"
-    code = (
-        f"import socket;s=socket.create_connection(('{h.address(receiver)}',5001));s.sendall(bytes({nbytes}));s.close()"
-    )
+    to = h.control_address(receiver) if control else h.address(receiver)
+    code = f"import socket;s=socket.create_connection(('{to}',5001));s.sendall(bytes({nbytes}));s.close()"
     subprocess.run(h.command(sender, [sys.executable, "-c", code]), check=True, timeout=60)
     got, seconds = server.communicate(timeout=60)[0].split()
     assert int(got) == nbytes
@@ -65,6 +65,25 @@ def test_hosts_reach_each_other_only_through_their_shaped_links():
         # 80 Mbit/s is 10 MB/s: 4 MiB cannot land in much under 0.3 s (the burst lets ~1 MB through early)
         assert seconds > 0.25, f"4 MiB in {seconds:.3f} s: the link is not shaped"
     assert not {h.switch, h.name(0), h.name(1)} & set(namespaces())
+
+
+def test_a_control_network_beside_the_shaped_links_is_not_shaped():
+    with Hosts(2, rate="80mbit", control=True) as h:
+        assert _send(h, 1, 0, 4 << 20) > 0.25  # the data link, shaped as before
+        # the control link: 4 MiB in well under the 0.4 s 80 Mbit/s would take
+        assert _send(h, 1, 0, 4 << 20, control=True) < 0.15
+        # every host reaches the switch's own address on it (where the fan-out bench serves its registry)
+        listen = f"import socket;s=socket.socket();s.bind(('{h.hub_address}',5002));s.listen();print('up',flush=True)"
+        hub = subprocess.Popen(
+            h.hub_command([sys.executable, "-c", listen + ";c,_=s.accept();print(c.recv(2).decode())"]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert hub.stdout is not None and hub.stdout.readline().strip() == "up"
+        hello = f"import socket;socket.create_connection(('{h.hub_address}',5002)).sendall(b'hi')"
+        subprocess.run(h.command(1, [sys.executable, "-c", hello]), check=True, timeout=30)
+        assert hub.communicate(timeout=30)[0].strip() == "hi"
+        assert f"wf{h.tag}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
 def test_a_failure_inside_still_deletes_every_namespace():
