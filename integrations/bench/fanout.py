@@ -1,20 +1,37 @@
 """Fan-out across emulated hosts: the time until N replicas serve one version.
 
-The trainer (a `Publisher` over NIXL) runs in host 0's namespace; each replica (a
-`Puller`) in a host of its own; every link is shaped (`hosts.Hosts`), and NIXL runs over
-TCP (`UCX_TLS=tcp`), so every byte a replica reads crosses the trainer's link and its own.
-The replicas start, make their NIXL agents, then are told to go at once; the time until
-N serve is from that moment until the last one's pull ended (the pull alone: leasing,
-every bucket, the lease check). Each copy is then checked byte for byte, once every
-replica ended (a check while others still read would take their CPU). Each process also
-says its CPU seconds (user and system, every thread) from going until the last replica
-ended, and the bench reads the machine's busy CPU seconds (/proc/stat) over the same
-time: on a machine of few cores the processes contend for them.
+The trainer (a streaming `Publisher` over NIXL) runs in host 0's namespace; each replica
+(a `Puller`) in a host of its own; every data link is shaped (`hosts.Hosts`), and NIXL
+runs over TCP (`UCX_TLS=tcp`), so every byte a replica reads crosses its source's link and
+its own. They all speak to one registry, the real server (`weightpull registry serve`,
+keyed: each process its own principal), in the switch's namespace on the hosts' unshaped
+control network: its few small messages (leases, offers, marks) do not queue behind the
+shaped bulk bytes, as a cluster's front-end network carries them beside its data fabric.
+
+Before each step the trainer publishes a version of its own (its relays' offers of the
+one before go with it); the replicas start, make their NIXL agents, map the trainer's
+reserved slots and their mirrors (`Puller.prepare`), then are told to go at once; the
+time until N serve is from that moment until the last one's pull ended (leasing, every
+bucket, the lease check and the digest check). Each copy is then checked byte for byte,
+once every replica ended (a check while others still read would take their CPU). Each
+process also says its CPU seconds (user and system, every thread) from going until the
+last replica ended, the bench reads the registry's from /proc, and the machine's busy CPU
+seconds (/proc/stat) over the same time: on a machine of few cores they contend.
+
+Directly, each replica is a plain `Puller` reading the trainer's slot. With relays, each
+is a `Puller(host=, stream=True, relay=True, relay_cap=cap)`: the registry places its
+lease at the source `choose_source` picks (the slot, or a replica that offered what it
+holds), it offers its own mirror once its first bucket landed and marks each bucket as it
+lands, and a reader of a relay reads each bucket once the relay marked it, then checks
+the publisher's digests. The registry lets `cap` readers at once read the trainer's slot
+(`registry serve --origin-cap`), as each relay does; a replica it finds no source for
+(every one full) asks again every `ASK_AGAIN_S`. A relaying replica's transport reads its
+buckets one at a time, in order (`InOrder`), so that each lands, and is offered, as early
+as it can: the puller asks for all it may read at once, which over NIXL's tcp lands them
+all together at the end.
 
 Each process is this module run with `python -m` inside its namespace, spoken to by JSON
-lines on its stdin and stdout. A replica hands its manifest to a registry of its own in
-its process (as `bench pull` does): the data path, not the registry's round trips, is
-what is measured across the links.
+lines on its stdin and stdout.
 """
 
 from __future__ import annotations
@@ -23,8 +40,10 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -45,9 +64,13 @@ MAX_REPLICAS = 16  # hosts.MAX_HOSTS less the trainer's
 # needs the owner's progress): every 5 ms, not the driver's 1 ms, spent 6% less CPU in a
 # relayed run of 8 on 2 cores (7.57 against 8.05 core-seconds); 20 ms slowed one copy.
 DEFAULT_PROGRESS_S = 0.005
-# What readers of a relayed run check: replicas of one job, so the cheap checksum (a
-# 256 MiB copy checked in 0.02 core-s against BLAKE2b's 0.29).
+# What the publisher records and readers check: replicas of one job, so the cheap
+# checksum (a 256 MiB copy checked in 0.02 core-s against BLAKE2b's 0.29).
 DEFAULT_DIGEST = "wsum64"
+# How soon a replica asks the registry again when every source is full (a chain's next
+# link offers once its first bucket landed, ~0.15 s after it was placed).
+ASK_AGAIN_S = 0.005
+_LEASE_TTL_S = 60.0  # every reader shares one link: a pull of 8 direct takes ~18 s
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -58,40 +81,57 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
+async def _line() -> dict[str, Any]:
+    """The next JSON line on stdin; {} once it closed."""
+    line = await anyio.to_thread.run_sync(sys.stdin.readline)
+    return json.loads(line) if line.strip() else {}
+
+
+def _connect(cfg: dict[str, Any]) -> Any:
+    from weightpull.registry import connect_registry
+
+    return connect_registry(cfg["registry"], key=cfg["key"], server_key=cfg["server_key"])
+
+
 async def _trainer(cfg: dict[str, Any]) -> None:
     from weightpull.publisher import Publisher
-    from weightpull.registry import InProcessRegistry
     from weightpull.transports import create_transport
 
     from .pull import BenchConfig, _tensors, content, digest
 
     data = content(cfg["size"])
-    bench = BenchConfig(transport="nixl", size=cfg["size"], bucket_bytes=cfg["bucket"])
-    publisher = Publisher(
-        InProcessRegistry(),
-        create_transport("nixl", progress_interval=cfg["progress_s"]),
-        rollout_dtype=None,
-        bucket_bytes=cfg["bucket"],
-        name=f"trainer-{os.getpid()}",
-        digests=cfg["digests"] or False,  # a kind: what readers from relays check
-    )
-    result = await publisher.publish(1, _tensors(bench, data))
-    assert result.manifest is not None
-    _say(ready=result.manifest.to_dict(), digest=digest(data))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
-        while line := await anyio.to_thread.run_sync(sys.stdin.readline):  # until told to stop (or stdin closes)
-            if not json.loads(line).get("cpu"):
-                break
-            _say(cpu=time.process_time())  # the bench takes the difference around each run
-        tg.cancel_scope.cancel()
-    await publisher.aclose()
-    await publisher.transport.aclose()
+    tensors = _tensors(BenchConfig(transport="nixl", size=cfg["size"], bucket_bytes=cfg["bucket"]), data)
+    async with _connect(cfg) as registry:
+        publisher = Publisher(
+            registry,
+            create_transport("nixl", progress_interval=cfg["progress_s"]),
+            rollout_dtype=None,
+            bucket_bytes=cfg["bucket"],
+            name="trainer",
+            stream=True,
+            digests=cfg["digest"],  # what readers from relays check (and every puller, as it does)
+        )
+        await publisher.reserve(cfg["size"])  # slots made ahead: replicas map them (Puller.prepare)
+        _say(ready=True, digest=digest(data))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
+            while message := await _line():  # until told to stop (or stdin closes)
+                if "publish" in message:
+                    result = await publisher.publish(message["publish"], tensors)
+                    assert result.manifest is not None
+                    _say(published=result.manifest.version)
+                elif message.get("cpu"):
+                    _say(cpu=time.process_time())  # the bench takes the difference around each run
+                else:
+                    break
+            tg.cancel_scope.cancel()
+        await publisher.aclose()
+        await publisher.transport.aclose()
 
 
 def verify_cpu(mirror: Any, manifest: Any) -> float:
     """CPU seconds to check every bucket of `mirror` against the publisher's digests, as a
-    reader from a relay does (measured off the clock, to calibrate the model); 0 without."""
+    reader does (measured off the clock, to calibrate the model); 0 without."""
     from weightpull.digests import matches
 
     if manifest.digests is None:
@@ -115,102 +155,123 @@ def busy_cpu_s() -> tuple[float, float]:
     return (total - idle) / hz, total / hz
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds (user and system, every thread), read from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def loadavg() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
 
 
-class _Landing(WrappedTransport):
-    """A relay's transport: says on stdout, as its reads land, how many of the version's
-    first buckets its mirror holds whole, so that its own readers may read them."""
+class InOrder(WrappedTransport):
+    """A relay's reads one at a time, in the order its puller asks them (bucket order),
+    and when the first landed. NIXL over UCX's tcp moves reads asked together interleaved:
+    a version's 16 buckets asked at once all landed within 1 ms of each other, 2.25 s
+    after they were asked, so a relay would hold (and offer) its first bucket only once it
+    held them all: a relayed run of 8 took 9.0 s, not 3.5. One at a time, each lands as
+    early as it can (the lock is FIFO). It stands in for a puller that relays reading its
+    buckets in order itself (docs/fanout.md)."""
 
-    def __init__(self, inner: Any, layout: Any) -> None:
+    def __init__(self, inner: Any) -> None:
         super().__init__(inner)
-        self.starts = {b.offset: b.index for b in layout.buckets}
-        self.whole: set[int] = set()
-        self.prefix = 0
         self.lock: anyio.Lock | None = None
+        self.first: float | None = None  # when the first read landed (time.time())
 
     async def read(self, remote: Any, remote_offset: int, local: Any, local_offset: int, nbytes: int) -> None:
-        # One read at a time, in the order asked (the lock is FIFO): buckets then land in
-        # order, each as soon as it can, so readers of this relay get the first ones early.
-        # (A puller reads all buckets at once: they would land together, at the end.)
         if self.lock is None:
             self.lock = anyio.Lock()
         async with self.lock:
             await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
-        if local_offset in self.starts:
-            self.whole.add(self.starts[local_offset])
-        before = self.prefix
-        while self.prefix in self.whole:
-            self.prefix += 1
-        if self.prefix > before:
-            _say(landed=self.prefix)
+        if self.first is None:
+            self.first = time.time()
 
 
 async def _replica(cfg: dict[str, Any]) -> None:
-    import base64
-
-    import attrs
-
-    from weightpull.manifest import Manifest
+    from weightpull.errors import NoSourceError
     from weightpull.puller import Puller
-    from weightpull.registry import InProcessRegistry
     from weightpull.transports import create_transport
 
     from .pull import digest
 
     # Every reader shares one link here: a read outlasting the driver's 10 s warning is expected.
     logging.getLogger("weightpull.drivers.nixl").setLevel(logging.ERROR)
-    manifest = Manifest.from_dict(json.loads(sys.stdin.readline())["manifest"])
+    relay = bool(cfg["relays"])
     nixl = create_transport("nixl", progress_interval=cfg["progress_s"])
     nixl.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
-    relay = bool(cfg.get("relays"))
-    transport = _Landing(nixl, manifest.layout) if relay else nixl
-    registry = InProcessRegistry()  # the reader's view of the version: its source's progress
-    puller = Puller(registry, transport, ttl=60.0, stream=True, verify_digests=relay)
-    mirror = puller.mirror = transport.allocate(manifest.layout.total_bytes)  # made ahead: relays export it
-    _say(ready=True, descriptor=base64.b64encode(transport.export(mirror)).decode())
-    go = json.loads(await anyio.to_thread.run_sync(sys.stdin.readline))
-    cpu0 = time.process_time()  # every thread of this process, user and system
-    await registry.begin(manifest.version, publisher=manifest.publisher, slot=manifest.slot)
-    if go.get("source") is None:  # the trainer's slot, whole
-        await registry.commit(manifest)
-        source = manifest
-    else:  # a relay's mirror, readable as far as the relay says
-        source = attrs.evolve(manifest, source=base64.b64decode(go["source"]), digests=None)
-        await registry.stream(source)
-    buckets = len(manifest.layout.buckets)
+    transport = InOrder(nixl) if relay else nixl
+    async with _connect(cfg) as registry:
+        if relay:
+            puller = Puller(
+                registry,
+                transport,
+                holder=cfg["name"],
+                ttl=_LEASE_TTL_S,
+                host=cfg["host"],
+                stream=True,
+                relay=True,
+                relay_cap=cfg["cap"],
+            )
+        else:
+            puller = Puller(registry, transport, holder=cfg["name"], ttl=_LEASE_TTL_S)
+        await puller.prepare()  # its mirror made and touched, the trainer's slots mapped: not on the clock
+        placed: list[tuple[float, str]] = []  # when each lease was granted, and at which source
+        acquire = registry.acquire
 
-    async def pull() -> None:
-        start = time.time()
-        await puller.pull()
-        end = time.time()
-        _say(start=start, end=end, cpu_s=time.process_time() - cpu0)  # the copy is checked once all ended
+        async def placing(*args: Any, **kwargs: Any) -> Any:
+            lease = await acquire(*args, **kwargs)
+            placed.append((time.time(), lease.source))
+            return lease
 
-    async def listen() -> None:
-        while line := await anyio.to_thread.run_sync(sys.stdin.readline):
-            message = json.loads(line)
-            if "mark" in message and source is not manifest:
-                await registry.mark(manifest.version, message["mark"])
-                if message["mark"] == buckets:  # whole: READY, with the publisher's digests to check
-                    await registry.commit(attrs.evolve(source, digests=manifest.digests))
-            if message.get("cpu"):  # the run is over: this process's CPU since go, then the checks
-                said: dict[str, Any] = {"cpu": time.process_time() - cpu0}
-                if message.get("verify"):
-                    said["verify_cpu_s"] = verify_cpu(mirror, manifest)
-                said["digest"] = digest(mirror.host_view()[: manifest.nbytes])
-                _say(**said)
-            if message.get("stop"):
-                break
-        tg.cancel_scope.cancel()
+        setattr(registry, "acquire", placing)  # noqa: B010  (observed only)
+        _say(ready=True)
+        await _line()  # go
+        cpu0 = time.process_time()  # every thread of this process, user and system
+        pulled: Any = None
 
-    async with anyio.create_task_group() as tg:
-        if relay:  # its readers' reads need this process's progress (a direct reader has none)
-            tg.start_soon(transport.serve)
-        tg.start_soon(pull)
-        tg.start_soon(listen)  # serves until told to stop, its own pull long done
-    await puller.aclose()
+        async def pull() -> None:
+            nonlocal pulled
+            start, refused = time.time(), 0
+            while pulled is None:
+                try:
+                    pulled = await puller.pull()
+                except NoSourceError:  # every source is full: ask again soon
+                    refused += 1
+                    await anyio.sleep(ASK_AGAIN_S)
+            end = time.time()
+            handed, source = placed[-1]
+            first = transport.first if isinstance(transport, InOrder) else None
+            _say(
+                end=end,
+                start=start,
+                cpu_s=time.process_time() - cpu0,
+                source=source,
+                handed=handed,
+                first=first,
+                refused=refused,
+            )  # the copy is checked once all ended
+
+        async def listen() -> None:
+            while message := await _line():
+                if message.get("cpu"):  # the run is over: this process's CPU since go, then the checks
+                    said: dict[str, Any] = {"cpu": time.process_time() - cpu0}
+                    if message.get("verify"):
+                        said["verify_cpu_s"] = verify_cpu(pulled.region, pulled.manifest)
+                    said["digest"] = digest(pulled.region.host_view()[: pulled.nbytes])
+                    _say(**said)
+                if message.get("stop"):
+                    break
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            if relay:  # its readers' reads need this process's progress (a direct reader has none)
+                tg.start_soon(transport.serve)
+            tg.start_soon(pull)
+            tg.start_soon(listen)  # serves until told to stop, its own pull long done
+        await puller.aclose()
     await transport.aclose()
 
 
@@ -280,71 +341,109 @@ class _Proc:
             self.proc.wait(5)
 
 
+class _Registry:
+    """The registry server (`weightpull registry serve`, keyed) in the switch's namespace,
+    on the control network; each process gets a key of its own (`client(name)`).
+    `origin_cap`: the most readers of the trainer's slot at once (`--origin-cap`)."""
+
+    def __init__(self, hosts: Hosts, workdir: Path, names: Sequence[str], origin_cap: int | None = None) -> None:
+        import select
+        import subprocess
+
+        from weightpull.drivers.zmq_registry import keys
+
+        self.keys = workdir / "keys"
+        keys.new(self.keys, "server", "registry")
+        keys.new(self.keys, "publisher", "trainer")
+        for name in names:
+            keys.new(self.keys, "reader", name)
+        argv = [sys.executable, "-m", "weightpull", "registry", "serve", "--json"]
+        argv += ["--bind", f"tcp://{hosts.hub_address}:0", "--keys", str(self.keys)]
+        argv += ["--server-key", str(self.keys / "registry.key_secret")]
+        if origin_cap is not None:
+            argv += ["--origin-cap", str(origin_cap)]
+        self.log_path = workdir / "registry.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(hosts.hub_command(argv), stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], _START_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        try:
+            self.address = json.loads(line)["listening"]
+        except (ValueError, KeyError):
+            self.stop()
+            raise RuntimeError(f"the registry did not start: {line!r} {self.log_path.read_text()[-2000:]}") from None
+
+    def client(self, name: str) -> dict[str, str]:
+        """What a process named `name` connects with (`_connect`)."""
+        return {
+            "registry": self.address,
+            "key": str(self.keys / f"{name}.key_secret"),
+            "server_key": str(self.keys / "registry.key"),
+        }
+
+    def cpu_s(self) -> float:
+        return process_cpu_s(self.proc.pid)  # `ip netns exec` execs the server: the same pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
 @attrs.frozen
 class _Ran:
-    ends: list[dict[str, Any]]  # each replica's "end": its pull's start, end and CPU
+    ends: list[dict[str, Any]]  # each replica's "end": its pull's start, end, CPU and source
     digests: list[str]  # each replica's copy, taken once all ended
     go: float
-    hops: int
+    hops: list[int]  # each replica's: 1 for the trainer's slot, one more than its relay's
     trainer_cpu_s: float  # from go until the last replica's end
     replica_cpu_s: list[float]  # each, from its go until the last end
+    registry_cpu_s: float  # the registry server's, over the same time
     verify_cpu_s: float | None  # the first replica's check of its copy, off the clock
     busy_cpu_s: float  # the machine's (every process's, not only the bench's)
     wall_s: float
-    handed_s: list[float]
-    first_bucket_s: list[float | None]
+
+
+def _hops(sources: dict[int, str], names: list[str]) -> list[int]:
+    """Each replica's hops from the trainer's slot, from the source each read ("": the slot)."""
+    index = {name: i for i, name in enumerate(names)}
+    hops: dict[int, int] = {}
+
+    def of(i: int, seen: int = 0) -> int:
+        if i not in hops:
+            if seen > len(names):
+                raise RuntimeError(f"the replicas' sources make a cycle: {sources}")
+            source = sources[i]
+            hops[i] = 1 if not source else 1 + of(index[source], seen + 1)
+        return hops[i]
+
+    return [of(i) for i in range(len(names))]
 
 
 def _one_run(
-    procs: list[_Proc], trainer: _Proc, relays: bool, cap: int | None, timeout: float, *, verify: bool = False
+    procs: list[_Proc], names: list[str], trainer: _Proc, registry: _Registry, timeout: float, *, verify: bool = False
 ) -> _Ran:
-    """Tell every replica to go, handing each a source by the registry's policy as sources
-    offer themselves (a relay once it holds its first bucket), and pass each relay's
-    progress on to its readers. Around it, the CPU seconds each process and the machine
-    spent. `verify`: the first replica also measures its digest check."""
+    """Tell every replica to go, and wait until each pulled the version; around it, the
+    CPU seconds each process, the registry and the machine spent. `verify`: the first
+    replica also measures its digest check."""
     import selectors
-    from collections import deque
 
-    from weightpull.errors import NoSourceError
-    from weightpull.sources import Reader, Source, choose_source
-
-    ready = [p.expect("ready") for p in procs]
-    names = [f"replica{i + 1}" for i in range(len(procs))]
-    offered = {"trainer": Source("trainer", "host-0", cap=cap)}
-    index = {name: i for i, name in enumerate(names)}
-    parent: dict[int, str] = {}
-    hops: dict[int, int] = {}
-    readers: dict[int, list[int]] = {i: [] for i in range(len(procs))}
-    asking = deque(range(len(procs)))
-
-    def hand_out() -> None:
-        while asking:
-            i = asking[0]
-            try:
-                chosen = choose_source(offered.values(), Reader(names[i], f"host-{i + 1}"))
-            except NoSourceError:
-                return
-            asking.popleft()
-            offered[chosen.name] = attrs.evolve(chosen, leases=chosen.leases + 1)
-            parent[i], hops[i] = chosen.name, chosen.hops + 1
-            handed[i] = time.time() - go
-            if chosen.name == "trainer":
-                procs[i].send(source=None)
-            else:
-                relay = index[chosen.name]
-                readers[relay].append(i)
-                procs[i].send(source=ready[relay]["descriptor"])
-                # what the relay holds already: its next landing may be a bucket's time away
-                procs[i].send(mark=held[relay])
-
+    for p in procs:
+        p.expect("ready")
     trainer.send(cpu=True)
     trainer_cpu = trainer.expect("cpu")["cpu"]
-    busy, total = busy_cpu_s()
-    handed: dict[int, float] = {}  # when each was handed its source, since go
-    first: dict[int, float] = {}  # when each said its first bucket landed (relays only)
-    held = [0] * len(procs)  # the whole buckets each holds, as it last said
+    registry_cpu = registry.cpu_s()
+    busy, _ = busy_cpu_s()
     go = time.time()
-    hand_out()
+    for p in procs:
+        p.send(go=True)
     ends: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
@@ -359,20 +458,11 @@ def _one_run(
                 procs[i].take()
                 while procs[i].lines:
                     message = procs[i].lines.pop(0)
-                    if "landed" in message:
-                        first.setdefault(i, time.time() - go)
-                        held[i] = message["landed"]
-                        for r in readers[i]:
-                            procs[r].send(mark=message["landed"])
-                        if relays and names[i] not in offered:  # it holds a bucket: it may serve
-                            offered[names[i]] = Source(names[i], f"host-{i + 1}", cap=cap, hops=hops[i])
-                            hand_out()
-                    if "end" in message:
-                        ends[i] = message
-                        was = offered[parent[i]]  # its lease ends: its source has room again
-                        offered[parent[i]] = attrs.evolve(was, leases=was.leases - 1)
-                        hand_out()
-    busy_end, total_end = busy_cpu_s()
+                    if "end" not in message:
+                        raise RuntimeError(f"{procs[i].what} said {message!r}, not 'end'")
+                    ends[i] = message
+    busy_end, _ = busy_cpu_s()
+    registry_cpu = registry.cpu_s() - registry_cpu
     wall = time.time() - go
     trainer.send(cpu=True)
     trainer_cpu = trainer.expect("cpu")["cpu"] - trainer_cpu
@@ -385,14 +475,13 @@ def _one_run(
         ends=[ends[i] for i in range(len(procs))],
         digests=[c["digest"] for c in cpus],
         go=go,
-        hops=max(hops.values()),
+        hops=_hops({i: e["source"] for i, e in ends.items()}, names),
         trainer_cpu_s=trainer_cpu,
         replica_cpu_s=[c["cpu"] for c in cpus],
+        registry_cpu_s=registry_cpu,
         verify_cpu_s=cpus[0].get("verify_cpu_s"),
         busy_cpu_s=busy_end - busy,
         wall_s=wall,
-        handed_s=[handed[i] for i in range(len(procs))],
-        first_bucket_s=[first.get(i) for i in range(len(procs))],
     )
 
 
@@ -408,58 +497,85 @@ def run_fanout(
     digest: str = DEFAULT_DIGEST,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """For each N in `replicas`: the time until N replicas, told to go at once, all hold the
-    trainer's version: every one reading the trainer's slot, or with `relays`, each from
-    the source the registry's policy hands it (`weightpull.sources`), relays among them,
-    each relay forwarding buckets as they land and every reader checking the publisher's
+    """For each N in `replicas`: the time until N replicas, told to go at once, all hold a
+    version the trainer published: every one a plain `Puller` reading the trainer's slot,
+    or with `relays`, each a `Puller(host=, stream=True, relay=True, relay_cap=cap)` whose
+    lease the registry places at a source by its policy (`weightpull.sources`), relays
+    among them forwarding buckets as they land and their readers checking the publisher's
     digests. `cap`: live readers per source (None: no cap). `progress_s`: how often the
     trainer and each relay poll NIXL for their readers' progress. `digest`: the kind the
-    publisher records for relayed runs (`weightpull.digests`)."""
+    publisher records (`weightpull.digests`), in both modes: every puller checks it."""
     if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
         raise InvalidArgumentError(f"replicas must be positive ints, got {list(replicas)!r}")
     if size <= 0 or bucket <= 0:
         raise InvalidArgumentError("size and bucket must be positive")
+    if digest not in KINDS:
+        raise InvalidArgumentError(f"digest must be one of {', '.join(KINDS)}, got {digest!r}")
     most = max(replicas)
+    names = [f"replica{i + 1}" for i in range(most)]
     rows = []
-    with Hosts(most + 1, rate=rate) as hosts:
-        say(f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0")
-        trainer = _Proc(
-            hosts,
-            0,
-            "trainer",
-            {"size": size, "bucket": bucket, "digests": relays and digest, "progress_s": progress_s},
+    with Hosts(most + 1, rate=rate, control=True) as hosts, tempfile.TemporaryDirectory(prefix="wpfan-") as work:
+        say(
+            f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0, "
+            "the registry on the control network"
         )
+        # with relays the trainer's slot takes `cap` readers at once, as every relay does
+        registry = _Registry(hosts, Path(work), names, origin_cap=cap if relays else None)
         procs: list[_Proc] = []
+        trainer: _Proc | None = None
         try:
-            ready = trainer.expect("ready")
-            for n in replicas:
-                procs = [_Proc(hosts, 1 + i, "replica", {"relays": relays, "progress_s": progress_s}) for i in range(n)]
-                for p in procs:
-                    p.send(manifest=ready["ready"])
+            config = {"size": size, "bucket": bucket, "digest": digest, "progress_s": progress_s}
+            trainer = _Proc(hosts, 0, "trainer", {**config, **registry.client("trainer")})
+            want = trainer.expect("ready")["digest"]
+            for step, n in enumerate(replicas, 1):
+                trainer.send(publish=step)  # a version per step: the last step's relays offer theirs
+                trainer.expect("published")
+                procs = [
+                    _Proc(
+                        hosts,
+                        1 + i,
+                        "replica",
+                        {
+                            "relays": relays,
+                            "cap": cap,
+                            "progress_s": progress_s,
+                            "name": names[i],
+                            "host": f"host-{1 + i}",
+                            **registry.client(names[i]),
+                        },
+                    )
+                    for i in range(n)
+                ]
                 load = loadavg()
-                ran = _one_run(procs, trainer, relays, cap, timeout=600, verify=n == 1)
+                ran = _one_run(procs, names[:n], trainer, registry, timeout=600, verify=n == 1)
                 for p in procs:
                     p.stop()
                 procs = []
                 ends = [d["end"] - ran.go for d in ran.ends]
-                procs_cpu = ran.trainer_cpu_s + sum(ran.replica_cpu_s)
+                procs_cpu = ran.trainer_cpu_s + sum(ran.replica_cpu_s) + ran.registry_cpu_s
                 row = {
                     "replicas": n,
                     "all_serve_s": round(max(ends), 3),
                     "first_s": round(min(ends), 3),
-                    "hops": ran.hops,
-                    "byte_exact": all(d == ready["digest"] for d in ran.digests),
+                    "hops": max(ran.hops),
+                    "byte_exact": all(d == want for d in ran.digests),
                     # CPU seconds from go until the last replica's end: each process's own
-                    # (user+sys, every thread) and the machine's busy time over all its cores
+                    # (user+sys, every thread), the registry's, and the machine's busy time
+                    # over all its cores
                     "trainer_cpu_s": round(ran.trainer_cpu_s, 3),
                     "replica_cpu_s": [round(c, 3) for c in ran.replica_cpu_s],
+                    "registry_cpu_s": round(ran.registry_cpu_s, 3),
                     "pull_cpu_s": [round(d["cpu_s"], 3) for d in ran.ends],
                     "procs_cpu_s": round(procs_cpu, 3),
                     "busy_cpu_s": round(ran.busy_cpu_s, 3),
                     "wall_s": round(ran.wall_s, 3),
-                    # since go: when each replica was handed its source, and (a relay) held its first bucket
-                    "handed_s": [round(t, 3) for t in ran.handed_s],
-                    "first_bucket_s": [None if t is None else round(t, 3) for t in ran.first_bucket_s],
+                    # since go: when each replica's lease was granted (placed at a source),
+                    # and (relays) when its first bucket landed; each one's hops and source
+                    "handed_s": [round(d["handed"] - ran.go, 3) for d in ran.ends],
+                    "first_bucket_s": [None if d["first"] is None else round(d["first"] - ran.go, 3) for d in ran.ends],
+                    "replica_hops": ran.hops,
+                    "sources": [d["source"] or "trainer" for d in ran.ends],
+                    "refused": [d["refused"] for d in ran.ends],  # acquires refused (every source full)
                     "cpus": os.cpu_count(),
                     "loadavg": load,  # before the run: the machine is shared
                 }
@@ -468,14 +584,16 @@ def run_fanout(
                 rows.append(row)
                 say(
                     f"{n} replicas{' with relays' if relays else ''}: all serve after {row['all_serve_s']:.2f} s "
-                    f"(first {row['first_s']:.2f} s, {ran.hops} hops); CPU: the bench's processes "
-                    f"{procs_cpu:.2f} s, the machine {ran.busy_cpu_s:.2f} s of {os.cpu_count()} cores x "
-                    f"{ran.wall_s:.2f} s (load before: {load})"
+                    f"(first {row['first_s']:.2f} s, {row['hops']} hops); CPU: the bench's processes "
+                    f"{procs_cpu:.2f} s (the registry {ran.registry_cpu_s:.2f}), the machine "
+                    f"{ran.busy_cpu_s:.2f} s of {os.cpu_count()} cores x {ran.wall_s:.2f} s (load before: {load})"
                 )
         finally:
             for p in procs:
                 p.stop()
-            trainer.stop()
+            if trainer is not None:
+                trainer.stop()
+            registry.stop()
     one = rows[0]["all_serve_s"] / rows[0]["replicas"]  # per replica, from the first N
     for row in rows:
         row["vs_one"] = round(row["all_serve_s"] / one, 2)
@@ -486,7 +604,8 @@ def run_fanout(
         "relays": relays,
         "cap": cap,
         "progress_s": progress_s,
-        "digest": digest if relays else None,
+        "digest": digest,
+        "ask_again_s": ASK_AGAIN_S if relays else None,
         "cpus": os.cpu_count(),
         "rows": rows,
     }
@@ -509,10 +628,12 @@ def add_parser(figures: Any) -> None:
         help="the time until 1, 2, 4 ... N replicas serve one version, across emulated hosts (root, nixl)",
         description="The trainer and each replica in a network namespace of its own, every host's link "
         "shaped with tc to RATE, NIXL over TCP between them; the time until 1, 2, 4 ... N replicas, told "
-        "to go at once, all serve a version of SIZE bytes: first every one reading the trainer's slot, then "
-        "each reading the source the registry's policy hands it, relays forwarding buckets as they land; "
-        "beside what `weightpull simulate` predicts from each run's one-replica row (its link and CPU per byte, all hosts sharing this machine's cores). Needs root (ip netns) and the nixl "
-        "extra; it deletes every namespace it made (docs/fanout.md). Also spelled "
+        "to go at once, all serve a version of SIZE bytes, through a served registry on an unshaped control "
+        "network: first every one a plain Puller reading the trainer's slot, then each a relaying Puller "
+        "(host=, stream=True, relay=True) whose lease the registry places at a source by its policy, relays "
+        "forwarding buckets as they land; beside what `weightpull simulate` predicts from each run's "
+        "one-replica row (its link and CPU per byte, all hosts sharing this machine's cores). Needs root (ip "
+        "netns), the nixl and service extras; it deletes every namespace it made (docs/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
     p.add_argument("--replicas", type=int, default=8, help=f"the most replicas, 1 to {MAX_REPLICAS} (default: 8)")
@@ -520,13 +641,20 @@ def add_parser(figures: Any) -> None:
     p.add_argument("--size", default="256M", help="bytes per version (default: 256M)")
     p.add_argument("--bucket-size", default="16M", help="bytes per bucket (default: 16M)")
     p.add_argument("--rate", default="1gbit", help="each host's link, as tc writes it (default: 1gbit)")
-    p.add_argument("--cap", type=int, default=1, help="with relays, live readers per source (default: 1, a chain)")
+    p.add_argument(
+        "--cap",
+        type=int,
+        default=1,
+        help="with relays, live readers per source, the trainer's slot (the registry's --origin-cap) and each "
+        "relay's (relay_cap) (default: 1, a chain)",
+    )
     p.add_argument("--no-relays", action="store_true", help="measure only the direct reads from the trainer")
     p.add_argument(
         "--digest",
         choices=KINDS,
         default=DEFAULT_DIGEST,
-        help="what the readers of the relayed run check each bucket against (the publisher's digests): "
+        help="the digests the publisher records, which every reader checks (a reader from a relay bucket by "
+        "bucket): "
         "wsum64 (default) is a checksum, cheap (numpy, ~0.02 core-s per 256 MiB), catching corrupt, swapped "
         "or stale buckets but not bytes a hostile relay made to match, for replicas of one job; blake2b128 "
         "is cryptographic, catching those too, at ~1 GB/s a core (docs/fanout.md)",
@@ -557,10 +685,12 @@ def run_command(args: Any) -> int:
     transport_class("nixl")  # fails early, naming the missing extra
     size, bucket = parse_size(args.size), parse_size(args.bucket_size)
     say = say_to_stderr("fanout")
-    common = dict(size=size, bucket=bucket, rate=args.rate, progress_s=args.progress_ms / 1e3, say=say)
+    common = dict(
+        size=size, bucket=bucket, rate=args.rate, progress_s=args.progress_ms / 1e3, digest=args.digest, say=say
+    )
     runs = {"direct": run_fanout(counts(args.replicas), **common)}
     if not args.no_relays:
-        runs["relays"] = run_fanout(counts(args.replicas), relays=True, cap=args.cap, digest=args.digest, **common)
+        runs["relays"] = run_fanout(counts(args.replicas), relays=True, cap=args.cap, **common)
     for result in runs.values():
         simulated = {r["replicas"]: r for r in validate(result)}
         for row in result["rows"]:
@@ -573,9 +703,10 @@ def run_command(args: Any) -> int:
         return 0 if exact else 1
     direct = runs["direct"]
     print(
-        f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}; direct: every replica "
-        f"reads the trainer's slot; relays: each reads the source the policy hands it (cap {args.cap}), "
-        f"relays forward buckets as they land, readers check the publisher's {args.digest} digests; simulated: the model "
+        f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}, every reader checking "
+        f"the publisher's {args.digest} digests; direct: every replica reads the trainer's slot; relays: the "
+        f"registry places each at a source by its policy (cap {args.cap}), relays forward buckets as they "
+        "land; simulated: the model "
         f"calibrated on the one-replica row, hosts sharing {os.cpu_count()} cores; cpu s: the bench's processes "
         "/ the machine's busy CPU-seconds over the run"
     )
