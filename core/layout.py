@@ -78,7 +78,7 @@ class TensorSpec:
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of each slot's views, looked up per tensor per publish
 class Placement:
     """Where one tensor's bytes start in the slot, and in which bucket."""
 
