@@ -499,13 +499,26 @@ class Puller:
 
         With `wait` (seconds), it first waits for `version` (without one, any version) to
         turn READY, as the trainer finishes writing it: notified, not polled, and
-        `VersionWaitTimeoutError` after `wait`."""
+        `VersionWaitTimeoutError` after `wait`.
+
+        A puller made with `stream=True` leases a version still being written (streamed by
+        its publisher), maps its slot and fetches its manifest meanwhile, and lends it the
+        moment it turns READY: the READY notice is then all that stands between the
+        trainer's last copy and the apply. With `wait` and a `version`, it waits for that
+        version to begin streaming (or be READY), even before the trainer begins it. A
+        stream that ends otherwise raises `TornReadError` before the block."""
         if not (isinstance(wait, (int, float)) and 0 <= wait < math.inf):
             raise InvalidArgumentError(f"wait must be a finite number of seconds >= 0, got {wait!r}")
-        if wait:  # the manifest comes with the answer: no second fetch
+        streaming = as_streaming(self.registry) if self.stream else None
+        if wait and streaming is not None and version is not None:  # leasable once its first bucket is marked
+            await streaming.wait_for_buckets(version, 1, timeout=wait)
+        elif wait:  # the manifest comes with the answer: no second fetch
             self._keep_manifest(await self.registry.wait_for_version(version or 0, timeout=wait))
         started = self.clock.now()
-        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        if streaming is not None:
+            lease = await streaming.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
+        else:
+            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
         renewal = None
         try:
             manifest = await self._manifest(lease.version)
@@ -524,8 +537,6 @@ class Puller:
                     f"the {self.transport.name} driver cannot lend v{manifest.version}'s slot to {self.device} in "
                     "place (it copies): pull() it into a mirror instead"
                 )
-            if manifest.digests is not None and self.verify_digests and region.view is not None:
-                await self._verify(manifest, region)
             renewal = _Renewal(
                 self.registry,
                 lease,
@@ -536,6 +547,12 @@ class Puller:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(renewal.run, lambda: None)  # a lapse is told when the block ends
+                    if streaming is not None:  # lent once whole
+                        await self._until_ready(manifest, source="")
+                        if manifest.digests is None and self.verify_digests and region.view is not None:
+                            manifest = await self._manifest(manifest.version)  # the READY one's digests, if any
+                    if manifest.digests is not None and self.verify_digests and region.view is not None:
+                        await self._verify(manifest, region)
                     try:
                         yield Borrowed(manifest.version, manifest, region)
                     finally:
@@ -778,11 +795,12 @@ class Puller:
             yield reads[issued:upto]
             issued = upto
 
-    async def _wait_for_buckets(self, manifest: Manifest, at_least: int) -> Progress:
+    async def _wait_for_buckets(self, manifest: Manifest, at_least: int, source: str | None = None) -> Progress:
         """The stream's progress once `at_least` buckets may be read, or it ended; one
-        that ended unfinished is a torn copy. Read from a relay: the relay's progress,
-        and a relay that offers it no longer is a peer gone (read afresh elsewhere)."""
-        source = self._reading_from
+        that ended unfinished is a torn copy. Read from a relay (`source`, by default the
+        pull's): the relay's progress, and a relay that offers it no longer is a peer gone
+        (read afresh elsewhere)."""
+        source = self._reading_from if source is None else source
         try:
             if source:
                 relaying = cast(RelayingRegistry, self.registry)
@@ -793,10 +811,10 @@ class Puller:
         except VersionStateError as exc:
             raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
 
-    async def _until_ready(self, manifest: Manifest) -> None:
+    async def _until_ready(self, manifest: Manifest, source: str | None = None) -> None:
         """Return once the version is READY; a stream that ends otherwise is torn."""
         progress = await self._wait_for_buckets(
-            manifest, len(manifest.layout.buckets) + 1
+            manifest, len(manifest.layout.buckets) + 1, source
         )  # more: only its end answers
         if progress.state not in (VersionState.READY, VersionState.RETIRED):  # RETIRED only from READY
             why = f" ({progress.reason})" if progress.reason else ""

@@ -17,7 +17,13 @@ from typing import Any, Protocol, Self, runtime_checkable
 import anyio
 
 from .clock import Clock, MonotonicClock, within
-from .errors import DriverUnavailableError, InvalidArgumentError, VersionStateError, VersionWaitTimeoutError
+from .errors import (
+    DriverUnavailableError,
+    InvalidArgumentError,
+    VersionNotFoundError,
+    VersionStateError,
+    VersionWaitTimeoutError,
+)
 from .manifest import Manifest
 from .principals import ADMIN, Principal
 from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
@@ -279,24 +285,32 @@ class InProcessRegistry:
     ) -> Progress:
         """The version's progress once `at_least` of its buckets may be read (or it is
         READY); `VersionStateError` naming the reason if it ended otherwise, or was never
-        streamed; `VersionWaitTimeoutError` after `timeout`. With `source` (a relay's
-        name), of that relay's copy (`RegistryMachine.progress`): woken by its marks, and
-        `NoSourceError` once it offers the version no longer."""
+        streamed; `VersionWaitTimeoutError` after `timeout`. A version not begun yet,
+        newer than every one begun, is waited for (a reader may ask before the trainer
+        begins it); `VersionNotFoundError` once a later one began instead. With `source`
+        (a relay's name), of that relay's copy (`RegistryMachine.progress`): woken by its
+        marks, and `NoSourceError` once it offers the version no longer."""
         check_int("at_least", at_least)
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
-            progress = self.machine.progress(version, source=source, by=self.principal)
-            if progress.committed >= at_least or progress.state in (VersionState.READY, VersionState.RETIRED):
-                return progress
-            if not progress.state.being_written:
-                why = f" ({progress.reason})" if progress.reason else ""
-                raise VersionStateError(f"version {version} is {progress.state}{why}: its stream ended unfinished")
+            try:
+                progress: Progress | None = self.machine.progress(version, source=source, by=self.principal)
+            except VersionNotFoundError:
+                if self.machine.begun(version):
+                    raise
+                progress = None
+            if progress is not None:
+                if progress.committed >= at_least or progress.state in (VersionState.READY, VersionState.RETIRED):
+                    return progress
+                if not progress.state.being_written:
+                    why = f" ({progress.reason})" if progress.reason else ""
+                    raise VersionStateError(f"version {version} is {progress.state}{why}: its stream ended unfinished")
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
-                raise VersionWaitTimeoutError(
-                    f"v{version}: {progress.committed} of {progress.buckets} buckets committed within {timeout} s, "
-                    f"not {at_least}"
+                got = (
+                    "not begun" if progress is None else f"{progress.committed} of {progress.buckets} buckets committed"
                 )
+                raise VersionWaitTimeoutError(f"v{version}: {got} within {timeout} s, not {at_least}")
             await within(self.clock, remaining, self._event().wait)
 
     async def renew(self, lease: Lease) -> Lease:

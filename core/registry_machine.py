@@ -153,6 +153,11 @@ class RegistryMachine:
         self._sweep()
         return self._newest_ready
 
+    def begun(self, version: int) -> bool:
+        """Whether `version`, or a later one, was begun: numbers only go up, so a version
+        not begun by then never will be."""
+        return version <= self._highest_begun
+
     def watch(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever what a waiter waits on may have changed: a version
         announced, a stream's buckets marked, a version ended."""

@@ -10,8 +10,11 @@ from weightpull import (
     InvalidArgumentError,
     NoReadyVersionError,
     PeerGoneError,
+    PublishError,
     RegistryUnavailableError,
     TornReadError,
+    VersionNotFoundError,
+    VersionState,
     VersionWaitTimeoutError,
 )
 from weightpull.layout import TensorSpec
@@ -208,3 +211,83 @@ async def test_a_replica_that_only_borrows_maps_the_slots_ahead_without_a_mirror
     async with puller.borrow() as lent:
         assert_holds(lent, 1)
     assert puller.mirror is None
+
+
+# -- a streaming puller's borrow: leased while written, lent once READY -------------------
+
+SIZES = (1500,) * 8  # eight buckets of 2048 bytes
+RATE = 1500.0  # bytes per second: one bucket a second
+
+
+async def test_a_streaming_borrow_leases_the_version_as_it_is_written_and_lends_it_once_ready(world):
+    from .conftest import SlowCopy
+
+    publisher = world.publisher(stream=True, adapter=SlowCopy(RATE, world.clock.sleep), bucket_bytes=2048)
+    puller = world.puller(stream=True, holder="replica-0")
+    seen = {}
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+
+        async def publish_later() -> None:
+            await world.clock.sleep(2.0)  # asked for before the trainer begins it
+            await publisher.publish(1, host_tensors(1, sizes=SIZES))
+            seen["committed"] = world.clock.now()
+
+        async def watch_leases() -> None:  # the lease is held while the version still streams
+            while "lent" not in seen:
+                progress = await world.registry.progress(1) if await leases(world) else None
+                if progress is not None and progress.state is VersionState.STREAMING:
+                    seen.setdefault("leased_while_streaming", progress.committed)
+                await world.clock.sleep(0.25)
+
+        tg.start_soon(publish_later)
+        tg.start_soon(watch_leases)
+        async with puller.borrow(1, wait=30.0) as lent:
+            seen["lent"] = world.clock.now()
+            assert lent.version == 1 and lent.manifest.version == 1
+            assert (await world.registry.progress(1)).state is VersionState.READY
+            for name, tensor in host_tensors(1, sizes=SIZES).items():
+                assert bytes(lent.view(name)) == tensor.data, name
+    assert seen["lent"] == pytest.approx(seen["committed"], abs=0.01)  # the READY notice, nothing more
+    assert seen["committed"] >= 2.0 + len(SIZES) - 0.01  # one bucket a second
+    assert 1 <= seen["leased_while_streaming"] < len(SIZES)
+    assert await leases(world) == ()
+    assert puller.mirror is None and puller.metrics()["pull/borrows"] == 1
+
+
+async def test_a_stream_aborted_while_borrowed_never_enters_the_block(world):
+    from .conftest import SlowCopy
+
+    adapter = SlowCopy(RATE, world.clock.sleep, 4, "the trainer's device fell off the bus")
+    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+    puller = world.puller(stream=True)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+
+        async def publish() -> None:
+            with pytest.raises(PublishError):
+                await publisher.publish(1, host_tensors(1, sizes=SIZES))
+
+        tg.start_soon(publish)
+        with pytest.raises(TornReadError, match="ABORTED.*device fell off"):
+            async with puller.borrow(1, wait=30.0):
+                pytest.fail("the block ran")
+    assert await leases(world) == ()
+
+
+async def test_a_streaming_borrow_of_a_number_never_begun_is_told_so(world):
+    publisher = world.publisher(stream=True)
+    puller = world.puller(stream=True)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+
+        async def publish_later() -> None:
+            await world.clock.sleep(1.0)
+            await publisher.publish(5, host_tensors(5))
+
+        tg.start_soon(publish_later)
+        with pytest.raises(VersionNotFoundError):  # v5 began, so v3 never will
+            async with puller.borrow(3, wait=30.0):
+                pytest.fail("the block ran")
+        with pytest.raises(VersionWaitTimeoutError, match="v9: not begun within 2.0 s"):
+            async with puller.borrow(9, wait=2.0):
+                pytest.fail("the block ran")
+    async with puller.borrow(5, wait=1.0) as lent:  # READY already: lent at once
+        assert_holds(lent, 5)

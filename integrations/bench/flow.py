@@ -13,9 +13,10 @@ each one in a registry served by this process, and the replica starts pulling as
 it asked for the version, reading each bucket once it is marked: the two copies overlap.
 
 In place (`in_place`, for a driver that lends a slot where the replica's weights are:
-`Transport.view`), the trainer streams as above but the replica keeps no mirror: once the
-version is READY it borrows the slot (`Puller.borrow`) and applies straight from it, one
-copy where a pull and an apply make two. Its pause is that copy.
+`Transport.view`), the trainer streams as above but the replica keeps no mirror: it leases
+the version while it streams and borrows the slot the moment it is READY (`Puller.borrow`
+of a streaming puller), then applies straight from it, one copy where a pull and an apply
+make two. Its pause is that copy.
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ async def _run_flow(
     note(f"{name}: starting the trainer")
     trainer = await anyio.to_thread.run_sync(Trainer, setup)
     transport = create_transport(setup.transport, **setup.options)
-    puller = Puller(registry, transport, device=setup.device, ttl=60.0, stream=setup.stream)
+    # In place too: the replica leases the version as it streams, and borrows it the moment it is READY.
+    puller = Puller(registry, transport, device=setup.device, ttl=60.0, stream=setup.trainer_streams)
     raw = RawRead(setup.transport, puller.transport, pinned=setup.cuda)
     if not setup.trainer_streams and trainer.reservation is not None:
         await registry.reserve(trainer.reservation)
