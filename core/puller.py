@@ -889,19 +889,28 @@ class Puller:
 
     async def _take_spare(self) -> None:
         """The mirror is offered: leave it to its readers and pull into the spare one,
-        once the spare's own (older) offer is withdrawn and its readers are done."""
+        once the spare's own (older) offer is withdrawn and its readers are done. The
+        mirrors swap only then: a pull cancelled (or failed) meanwhile leaves both as
+        they were, the spare still offered, so the next pull waits for its readers too."""
         spare, spare_version, spare_offered = self._spare
+        if spare_offered is not None:
+            await self._wait_for_readers(spare_offered)
         self._spare = (self.mirror, self.mirror_version, self.offered)
-        self.mirror, self.mirror_version, self.offered = spare, spare_version, spare_offered
-        await self._keep_for_readers()
+        self.mirror, self.mirror_version, self.offered = spare, spare_version, None
 
     async def _keep_for_readers(self) -> None:
         """Before the mirror is overwritten: withdraw its offer, then wait while leases
-        still read from it (each ends within its TTL)."""
-        if self.offered is None:
-            return
+        still read from it (each ends within its TTL). The offer is forgotten only then:
+        a pull cancelled mid-wait, or a withdraw that failed, leaves it to the next pull
+        to wait for."""
+        if self.offered is not None:
+            await self._wait_for_readers(self.offered)
+            self.offered = None
+
+    async def _wait_for_readers(self, version: int) -> None:
+        """Withdraw this holder's offer of `version` (idempotent), then wait until no lease
+        reads it."""
         registry = cast(RelayingRegistry, self.registry)
-        version, self.offered = self.offered, None
         await registry.withdraw(version, holder=self.holder)
         while await registry.readers_at(version, self.holder):
             await self.clock.sleep(min(0.05, self.ttl / 10))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from weightpull import FakeClock, InProcessRegistry, InvalidArgumentError, PermissionDeniedError, Principal
-from weightpull.errors import NoSourceError, VersionStateError
+from weightpull.clock import within
+from weightpull.errors import NoSourceError, TransportError, VersionStateError
 from weightpull.manifest import Manifest
 
 from .conftest import autojump, host_tensors
@@ -163,3 +164,74 @@ async def test_a_relay_with_a_spare_mirror_pulls_on_while_leases_read_the_offere
 async def test_a_spare_mirror_needs_a_relay(world):
     with pytest.raises(InvalidArgumentError, match="host="):
         world.puller(spare_mirror=True)
+
+
+async def test_a_pull_cancelled_while_it_waits_for_a_relays_readers_leaves_the_next_to_wait(world):
+    """The pull that waits for a lease reading the offered mirror is cancelled (a newer
+    prefetch, a timeout): the next pull must still wait for that lease, never writing the
+    mirror under it."""
+    publisher = world.publisher(digests=True, num_slots=3)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    lease = await world.registry.acquire(1, ttl=5.0, holder="reader", host="h1")
+    assert lease.source == "relay"
+    await publisher.publish(2, host_tensors(2))
+    start = world.clock.now()
+    async with autojump(world.clock):
+        assert await within(world.clock, 1.0, relay.pull) == (False, None)  # cancelled mid-wait
+        assert relay.mirror_version == 1 and same(relay._last, 1)  # nothing written yet
+        assert await world.registry.readers_at(1, "relay") == 1
+        assert same(await relay.pull(), 2)
+    assert world.clock.now() - start >= 5.0  # the lease's TTL: the second pull waited too
+    assert world.registry.machine.relays.offers(1) == ()
+
+
+async def test_a_withdraw_that_failed_leaves_the_next_pull_to_wait_for_the_relays_readers(world, monkeypatch):
+    publisher = world.publisher(digests=True, num_slots=3)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    await world.registry.acquire(1, ttl=5.0, holder="reader", host="h1")
+    await publisher.publish(2, host_tensors(2))
+    withdraw = world.registry.withdraw
+
+    async def unreachable(*args, **kwargs):
+        monkeypatch.setattr(world.registry, "withdraw", withdraw)  # once
+        raise TransportError("the registry is unreachable")
+
+    monkeypatch.setattr(world.registry, "withdraw", unreachable)
+    start = world.clock.now()
+    async with autojump(world.clock):
+        with pytest.raises(TransportError, match="unreachable"):
+            await relay.pull()
+        assert same(await relay.pull(), 2)
+    assert world.clock.now() - start >= 5.0
+
+
+async def test_a_relay_with_a_spare_mirror_cancelled_while_it_waits_for_the_spares_readers(world):
+    """v1's mirror is read by a lease while v2 sits in the spare; the pull of v3 (into v1's
+    mirror) waits for that lease and is cancelled: the mirrors stay as they were, v2 still
+    offered, and the pull after waits for v1's lease in turn."""
+    publisher = world.publisher(digests=True, num_slots=4)
+    await publisher.publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay", spare_mirror=True)
+    first = (await relay.pull()).region
+    await relay.offer()
+    lease = await world.registry.acquire(1, ttl=5.0, holder="reader", host="h1")
+    assert lease.source == "relay"
+    await publisher.publish(2, host_tensors(2))
+    second = await relay.pull()
+    await relay.offer()
+    await publisher.publish(3, host_tensors(3))
+    start = world.clock.now()
+    async with autojump(world.clock):
+        assert await within(world.clock, 1.0, relay.pull) == (False, None)
+        assert relay.mirror is second.region and relay.offered == 2  # as they were
+        assert [o.holder for o in world.registry.machine.relays.offers(2)] == ["relay"]
+        assert bytes(first.host_view()[:1000]) == host_tensors(1)["t0"].data
+        pulled = await relay.pull()
+    assert world.clock.now() - start >= 5.0
+    assert same(pulled, 3) and pulled.region is first and same(second, 2)
