@@ -695,32 +695,34 @@ class Puller:
             if self.spare_mirror and self.offered is not None:
                 await self._take_spare()
             mirror = self._mirror_for(manifest.layout)
-            relayed = attrs.evolve(manifest, source=lease.descriptor) if lease.source else manifest
-            self._reading_from, self._forwarding = lease.source, self._forwarder(lease.version, manifest, mirror)
+            source = lease.source  # as the acquire placed it: "" for the slot, else a relay
+            relayed = attrs.evolve(manifest, source=lease.descriptor) if source else manifest
+            self._reading_from, self._forwarding = source, self._forwarder(lease.version, manifest, mirror)
             try:
                 reads = self._reads(relayed)  # connects to the source
             except TransportError as exc:
-                if lease.source:  # a relay gone before the first read: read it elsewhere
-                    raise _SourceFailed(lease.source, lease.version) from exc
+                if source:  # a relay gone before the first read: read it elsewhere
+                    raise _SourceFailed(source, lease.version) from exc
                 raise
             self.mirror_version = None  # overwritten from here on
             try:
                 lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror)
-                if lease.source:  # bytes no lease vouches for: each bucket against the publisher's digest
-                    await self._verify_relayed(manifest, mirror, lease.source)
+                if source:  # bytes no lease vouches for: each bucket against the publisher's digest
+                    manifest = await self._verify_relayed(manifest, mirror, source)
             except (TransportError, NoProgressError, DigestMismatchError) as exc:
-                if lease.source:  # the relay failed this copy: all of it is dropped, read elsewhere
+                if source:  # the relay failed this copy: all of it is dropped, read elsewhere
                     self._forget(relayed)
-                    raise _SourceFailed(lease.source, lease.version) from exc
+                    raise _SourceFailed(source, lease.version) from exc
                 if isinstance(exc, (RegionNotRegisteredError, PeerGoneError, NoProgressError)):
                     self._forget(
                         manifest
                     )  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
-            if self.stream and manifest.digests is None and self.verify_digests:
-                manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
-            if manifest.digests is not None and self.verify_digests:
-                await self._verify(manifest, mirror)
+            if not source:  # a relayed copy was checked above, every bucket, once
+                if self.stream and manifest.digests is None and self.verify_digests:
+                    manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
+                if manifest.digests is not None and self.verify_digests:
+                    await self._verify(manifest, mirror)
             self.mirror_version = manifest.version
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
         finally:
@@ -857,7 +859,10 @@ class Puller:
         registry = cast(RelayingRegistry, self.registry)
         return _Forwarder(self, registry, version, manifest.layout, self.transport.export(mirror))
 
-    async def _verify_relayed(self, manifest: Manifest, mirror: Region, source: str) -> None:
+    async def _verify_relayed(self, manifest: Manifest, mirror: Region, source: str) -> Manifest:
+        """Check every bucket of a copy read from relay `source` against the publisher's
+        digests (`DigestMismatchError` naming the first that differs); the manifest they
+        came in (a stream's, once committed)."""
         if manifest.digests is None and self.stream:  # streamed: the digests came with its commit
             manifest = await self._manifest(manifest.version)
         if manifest.digests is None:  # a registry refuses offers without them; a copy without is no copy
@@ -870,6 +875,7 @@ class Puller:
                 verify_bucket(manifest.version, b.index, view[b.offset : b.offset + b.nbytes], want, source=source)
 
         await anyio.to_thread.run_sync(check)
+        return manifest
 
     async def offer(self, *, cap: int | None = None) -> int:
         """Offer the version this mirror holds (the last pull's) to other replicas, as a

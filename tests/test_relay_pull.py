@@ -235,3 +235,30 @@ async def test_a_relay_with_a_spare_mirror_cancelled_while_it_waits_for_the_spar
         pulled = await relay.pull()
     assert world.clock.now() - start >= 5.0
     assert same(pulled, 3) and pulled.region is first and same(second, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_relayed_copy_is_checked_once_bucket_by_bucket(world, monkeypatch, stream):
+    """A copy read from a relay is checked against the publisher's digests once, each
+    bucket (the relayed check), not a second time by the check of every copy."""
+    from weightpull import digests
+
+    await world.publisher(digests=True, stream=stream).publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay", stream=stream)
+    await relay.pull()
+    await relay.offer()
+    checked: list[int] = []
+    real = digests.digest
+
+    def counting(data, kind=digests.BLAKE2B128):
+        checked.append(len(data))
+        return real(data, kind)
+
+    monkeypatch.setattr(digests, "digest", counting)
+    reader = world.puller(host="h1", holder="reader", stream=stream)
+    pulled = await reader.pull()
+    assert same(pulled) and pulled.manifest.digests is not None
+    assert checked == [b.nbytes for b in pulled.layout.buckets]  # one check per bucket
+    checked.clear()
+    assert same(await world.puller(holder="direct", stream=stream).pull())  # the slot's copy: checked once too
+    assert checked == [b.nbytes for b in pulled.layout.buckets]
