@@ -58,6 +58,10 @@ _MARK_EVERY = 2e-3
 # (the stream's announce, marks) gets the event loop once per this many buckets: a turn
 # per bucket costs more than the copies themselves.
 _YIELD_EVERY = 32
+# A streaming publish queues a version's copies in about this many writes, each of several
+# buckets when there are more: a write costs the loop ~25 us beyond its copies (an event,
+# the adapter's checks) on an H200's host, as much as queueing a bucket's copies itself.
+_WRITES_PER_VERSION = 48
 # The thread that counts queued copies landed starts once all are queued, or this long
 # after the first (copies that cannot be asked without blocking must not all land
 # unmarked): started earlier, it contends for the GIL with the loop queueing the copies.
@@ -363,8 +367,8 @@ class Publisher:
     async def _stream(
         self, manifest: Manifest, adapter: TensorAdapter, writes: list[tuple[Any, Placement]], region: Region
     ) -> None:
-        """Copy bucket by bucket while a marker announces the stream, then tells the
-        registry how many buckets have landed: one mark in flight at a time, carrying the
+        """Copy bucket by bucket (a few buckets a write when there are many) while a
+        marker announces the stream, then tells the registry how many buckets have landed: one mark in flight at a time, carrying the
         newest count, so marks batch themselves to the pace the registry answers at."""
         registry = as_streaming(self.registry)
         by_bucket: dict[int, list[tuple[Any, Placement]]] = {}
@@ -438,11 +442,14 @@ class Publisher:
                 async with anyio.create_task_group() as copies:
                     try:
                         buckets = sorted(by_bucket)
-                        first = self.clock.now()
-                        for queued, bucket in enumerate(buckets, 1):
-                            await adapter.write(by_bucket[bucket], region)
+                        per_write = max(1, len(buckets) // _WRITES_PER_VERSION)
+                        first, yielded = self.clock.now(), 0
+                        for start in range(0, len(buckets), per_write):
+                            group = buckets[start : start + per_write]
+                            await adapter.write([w for b in group for w in by_bucket[b]], region)
+                            bucket, queued = group[-1], start + len(group)
                             wait = landing(adapter)
-                            if wait is None:  # no way to wait for one bucket alone: fence it here
+                            if wait is None:  # no way to wait for one write alone: fence it here
                                 await adapter.fence()
                                 wake(bucket + 1)
                                 continue
@@ -451,8 +458,9 @@ class Publisher:
                             else:
                                 unseen.append((bucket, wait))
                             # A turn for the marker after the first copies (the GPU works meanwhile), then
-                            # one per bucket until the stream is announced: no mark can go before it.
-                            if queued % _YIELD_EVERY == 0 or (queued > _YIELD_EVERY and not announced):
+                            # one per write until the stream is announced: no mark can go before it.
+                            if queued - yielded >= _YIELD_EVERY or (queued > _YIELD_EVERY and not announced):
+                                yielded = queued
                                 look()
                                 await anyio.lowlevel.checkpoint()  # the marker's stream and marks go out
                             if not waiting and (queued == len(buckets) or self.clock.now() - first >= _QUEUE_ALONE):

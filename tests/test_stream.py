@@ -21,6 +21,7 @@ from weightpull import (
 from weightpull.errors import NoReadyVersionError, PermissionDeniedError, VersionWaitTimeoutError
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal
+from weightpull.tensors import HostTensorAdapter
 
 from .conftest import SlowCopy, World, autojump, host_tensors
 
@@ -152,6 +153,28 @@ async def test_a_streaming_publisher_marks_buckets_as_they_land(world):
     for name, t in host_tensors(1, sizes=(1500,) * 6).items():
         p = result.manifest.layout[name]
         assert bytes(view[p.offset : p.end]) == t.data
+
+
+async def test_a_version_of_many_buckets_is_queued_in_a_few_buckets_a_write(world):
+    class Counting(HostTensorAdapter):
+        groups: list[list[int]] = []
+
+        async def write(self, items, region) -> None:
+            self.groups.append(sorted({p.bucket for _, p in items}))
+            await super().write(items, region)
+
+    adapter = Counting()
+    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+    sizes = (1500,) * 200  # 200 buckets
+    result = await publisher.publish(1, host_tensors(1, sizes=sizes))
+    buckets = len(result.manifest.layout.buckets)
+    assert buckets == 200 and 48 <= len(adapter.groups) <= 60  # 4 buckets a write
+    assert [b for g in adapter.groups for b in g] == list(range(buckets))  # each once, in order
+    view = publisher.slots[result.slot].region.host_view()
+    for name, t in host_tensors(1, sizes=sizes).items():
+        p = result.manifest.layout[name]
+        assert bytes(view[p.offset : p.end]) == t.data
+    assert (await world.registry.progress(1)).state is VersionState.READY
 
 
 # -- readers that stream ---------------------------------------------------------------
