@@ -210,9 +210,29 @@ class Pulled(_VersionBytes):
 
 @attrs.frozen
 class Borrowed(_VersionBytes):
-    """A READY version read in place: `region` is the publisher's slot itself, mapped
-    into this process, as the puller's device reads it (`Puller.borrow`). Valid only
-    inside the block that borrowed it; read it, never write it."""
+    """A version read in place: `region` is the publisher's slot itself, mapped into this
+    process, as the puller's device reads it (`Puller.borrow`). Valid only inside the
+    block that borrowed it; read it, never write it. READY, unless lent while still
+    written (`borrow(whole=False)`): then read only the tensors `landed()` has named."""
+
+    # Waits until at least n buckets may be read (a stream's progress); None: lent whole.
+    _wait: Callable[[int], Awaitable[Progress]] | None = attrs.field(default=None, repr=False, alias="wait")
+
+    async def landed(self) -> AsyncIterator[tuple[str, ...]]:
+        """The names of the tensors whose bytes are all in the slot, in batches as the
+        publisher commits them (one batch, every tensor, when lent whole): read each batch
+        as it comes. A stream that ends otherwise raises `TornReadError`."""
+        layout = self.manifest.layout
+        total, done = len(layout.buckets), 0
+        if self._wait is None or total == 0:
+            yield tuple(p.spec.name for p in layout.placements)
+            return
+        while done < total:
+            progress = await self._wait(done + 1)
+            ready = progress.state in (VersionState.READY, VersionState.RETIRED)
+            upto = total if ready else min(progress.committed, total)
+            yield tuple(p.spec.name for p in layout.placements if done <= p.bucket < upto)
+            done = upto
 
 
 def _default_holder(registry: Registry) -> str:
@@ -482,7 +502,9 @@ class Puller:
             return pulled
 
     @asynccontextmanager
-    async def borrow(self, version: int | None = None, *, wait: float = 0.0) -> AsyncIterator[Borrowed]:
+    async def borrow(
+        self, version: int | None = None, *, wait: float = 0.0, whole: bool = True
+    ) -> AsyncIterator[Borrowed]:
         """Lend the newest READY version (or `version`, if READY) in place, for the block:
         the publisher's slot itself, mapped into this process, under a lease renewed
         until the block ends and then released. No mirror and no copy: an apply reads
@@ -506,9 +528,20 @@ class Puller:
         moment it turns READY: the READY notice is then all that stands between the
         trainer's last copy and the apply. With `wait` and a `version`, it waits for that
         version to begin streaming (or be READY), even before the trainer begins it. A
-        stream that ends otherwise raises `TornReadError` before the block."""
+        stream that ends otherwise raises `TornReadError` before the block.
+
+        With `whole=False` too, the block is entered at once, while the trainer still
+        writes: `lent.landed()` names the tensors as their buckets are committed, so an
+        apply runs behind the trainer's copy. Leaving the block then waits for the version
+        to turn READY and checks the lease (and a host slot's digests): a stream that ends
+        otherwise raises `TornReadError` (from `landed()`, or on leaving), and whatever the
+        block applied must be undone, as for a lapsed lease."""
         if not (isinstance(wait, (int, float)) and 0 <= wait < math.inf):
             raise InvalidArgumentError(f"wait must be a finite number of seconds >= 0, got {wait!r}")
+        if not whole and not self.stream:
+            raise InvalidArgumentError(
+                "borrow(whole=False) lends a version still being written: make the Puller with stream=True"
+            )
         streaming = as_streaming(self.registry) if self.stream else None
         if wait and streaming is not None and version is not None:  # leasable once its first bucket is marked
             await streaming.wait_for_buckets(version, 1, timeout=wait)
@@ -547,14 +580,16 @@ class Puller:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(renewal.run, lambda: None)  # a lapse is told when the block ends
-                    if streaming is not None:  # lent once whole
-                        await self._until_ready(manifest, source="")
-                        if manifest.digests is None and self.verify_digests and region.view is not None:
-                            manifest = await self._manifest(manifest.version)  # the READY one's digests, if any
-                    if manifest.digests is not None and self.verify_digests and region.view is not None:
-                        await self._verify(manifest, region)
+                    if whole:
+                        manifest = await self._whole(manifest, region, streamed=streaming is not None)
+                        lent = Borrowed(manifest.version, manifest, region)
+                    else:
+                        wait_for = functools.partial(self._wait_for_buckets, manifest, source="")
+                        lent = Borrowed(manifest.version, manifest, region, wait=wait_for)
                     try:
-                        yield Borrowed(manifest.version, manifest, region)
+                        yield lent
+                        if not whole:  # read while written: what it read is good once whole
+                            await self._whole(manifest, region, streamed=True)
                     finally:
                         tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -563,6 +598,17 @@ class Puller:
             self._counts["borrows"] += 1
         finally:
             await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
+
+    async def _whole(self, manifest: Manifest, region: Region, *, streamed: bool) -> Manifest:
+        """A borrowed version once READY (a stream's: waited for, torn if it ends otherwise),
+        its host slot checked against its digests; its manifest, with them."""
+        if streamed:
+            await self._until_ready(manifest, source="")
+            if manifest.digests is None and self.verify_digests and region.view is not None:
+                manifest = await self._manifest(manifest.version)  # the READY one's digests, if any
+        if manifest.digests is not None and self.verify_digests and region.view is not None:
+            await self._verify(manifest, region)
+        return manifest
 
     async def prepare(self, *, mirror: bool = True) -> int:
         """Do now what the first pull would do first, from the slots publishers registered

@@ -291,3 +291,57 @@ async def test_a_streaming_borrow_of_a_number_never_begun_is_told_so(world):
                 pytest.fail("the block ran")
     async with puller.borrow(5, wait=1.0) as lent:  # READY already: lent at once
         assert_holds(lent, 5)
+
+
+async def test_a_borrow_not_whole_names_the_tensors_as_they_land_and_checks_the_version_on_leaving(world):
+    from .conftest import SlowCopy
+
+    publisher = world.publisher(stream=True, adapter=SlowCopy(RATE, world.clock.sleep), bucket_bytes=2048)
+    puller = world.puller(stream=True)
+    batches, seen = [], {}
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(publisher.publish, 1, host_tensors(1, sizes=SIZES))
+        async with puller.borrow(1, wait=30.0, whole=False) as lent:
+            seen["entered"] = (world.clock.now(), (await world.registry.progress(1)).state)
+            async for names in lent.landed():
+                layout = lent.manifest.layout
+                for name in names:  # each tensor named is whole in the slot already
+                    assert bytes(lent.view(name)) == host_tensors(1, sizes=SIZES)[name].data
+                batches.append((world.clock.now(), names, max(layout[n].bucket for n in names)))
+        seen["left"] = world.clock.now()
+    assert seen["entered"][1] is VersionState.STREAMING  # lent while written
+    assert len(batches) >= 3 and batches[0][0] < batches[-1][0] - 4  # applied behind the copy, bucket by bucket
+    assert [n for _, names, _ in batches for n in names] == list(host_tensors(1, sizes=SIZES))  # each once, in order
+    assert (await world.registry.progress(1)).state is VersionState.READY
+    assert await leases(world) == ()
+
+
+async def test_a_stream_aborted_while_applied_not_whole_is_torn(world):
+    from .conftest import SlowCopy
+
+    adapter = SlowCopy(RATE, world.clock.sleep, 4, "the trainer's device fell off the bus")
+    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+    puller = world.puller(stream=True)
+    applied: list[str] = []
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+
+        async def publish() -> None:
+            with pytest.raises(PublishError):
+                await publisher.publish(1, host_tensors(1, sizes=SIZES))
+
+        tg.start_soon(publish)
+        with pytest.raises(TornReadError, match="ABORTED"):
+            async with puller.borrow(1, wait=30.0, whole=False) as lent:
+                async for names in lent.landed():
+                    applied.extend(names)  # what must be undone
+    assert 0 < len(applied) < len(SIZES)
+    assert await leases(world) == ()
+    with pytest.raises(InvalidArgumentError, match="stream=True"):
+        async with world.puller().borrow(whole=False):
+            pytest.fail("the block ran")
+
+
+async def test_a_version_lent_whole_names_every_tensor_at_once(world):
+    await world.publisher().publish(1, host_tensors(1))
+    async with world.puller().borrow() as lent:
+        assert [names async for names in lent.landed()] == [tuple(host_tensors(1))]

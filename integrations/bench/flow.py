@@ -13,10 +13,11 @@ each one in a registry served by this process, and the replica starts pulling as
 it asked for the version, reading each bucket once it is marked: the two copies overlap.
 
 In place (`in_place`, for a driver that lends a slot where the replica's weights are:
-`Transport.view`), the trainer streams as above but the replica keeps no mirror: it leases
-the version while it streams and borrows the slot the moment it is READY (`Puller.borrow`
-of a streaming puller), then applies straight from it, one copy where a pull and an apply
-make two. Its pause is that copy.
+`Transport.view`), the trainer streams as above but the replica keeps no mirror: it borrows
+the slot while the trainer writes it (`Puller.borrow(whole=False)` of a streaming puller)
+and applies straight from it, each tensor once its bucket is committed, one copy where a
+pull and an apply make two. Its pause runs from its first tensors to the version checked
+whole.
 """
 
 from __future__ import annotations
@@ -212,15 +213,20 @@ async def _pull_streaming(puller: Puller, version: int) -> Any:
 async def _borrow_and_apply(
     puller: Puller, version: int, weights: dict[str, torch.Tensor], views: _Views
 ) -> tuple[float, float]:
-    """Once `version` is READY, borrow its slot and apply straight from it. Returns (seconds
-    until it was lent, seconds of the apply)."""
-    t = time.monotonic()
-    async with puller.borrow(version, wait=120) as lent:
-        lent_s = time.monotonic() - t
-        t = time.monotonic()
-        apply(weights, views.of(lent.region, lent.layout), puller.device)
-        apply_s = time.monotonic() - t
-    return lent_s, apply_s
+    """Borrow `version`'s slot as the trainer writes it and apply straight from it, each
+    tensor once its bucket is committed. Returns (seconds until it was lent and its first
+    tensors landed, seconds from then until the apply ended and the version was checked
+    whole: the replica's pause)."""
+    t, lent_s = time.monotonic(), None
+    async with puller.borrow(version, wait=120, whole=False) as lent:
+        slot = views.of(lent.region, lent.layout)
+        async for names in lent.landed():
+            if lent_s is None:
+                lent_s, t = time.monotonic() - t, time.monotonic()
+            for name in names:
+                weights[name].copy_(slot[name], non_blocking=True)
+        sync(puller.device)
+    return lent_s, time.monotonic() - t
 
 
 class _Views:

@@ -190,7 +190,8 @@ def for_path(limits: dict[str, Any], nbytes: int, slot: str, mirror: str) -> dic
         key = "overlap_host_slot_ms" if slot == "cpu" else "overlap_gpu_slot_ms"
         overlap = round(limits[key] + ms["apply_pause_ms"], 2)
     # In place, the trainer casts straight into the slot and the apply copies straight out
-    # of it: two copies, back to back (the apply needs the version whole).
+    # of it behind the cast: two copies that share one memory's bandwidth, so no quicker
+    # than back to back.
     in_place = round(limits["cast_ms"] + ms["apply_pause_ms"], 2)
     return {
         "pull_gbps": pull_gbps,
