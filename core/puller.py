@@ -217,6 +217,7 @@ class Borrowed(_VersionBytes):
 
     # Waits until at least n buckets may be read (a stream's progress); None: lent whole.
     _wait: Callable[[int], Awaitable[Progress]] | None = attrs.field(default=None, repr=False, alias="wait")
+    _seen: list[Progress] = attrs.field(factory=list, repr=False, init=False)  # the last progress landed() saw
 
     async def landed(self) -> AsyncIterator[tuple[str, ...]]:
         """The names of the tensors whose bytes are all in the slot, in batches as the
@@ -229,6 +230,7 @@ class Borrowed(_VersionBytes):
             return
         while done < total:
             progress = await self._wait(done + 1)
+            self._seen[:] = [progress]
             ready = progress.state in (VersionState.READY, VersionState.RETIRED)
             upto = total if ready else min(progress.committed, total)
             yield tuple(p.spec.name for p in layout.placements if done <= p.bucket < upto)
@@ -589,7 +591,9 @@ class Puller:
                     try:
                         yield lent
                         if not whole:  # read while written: what it read is good once whole
-                            await self._whole(manifest, region, streamed=True)
+                            seen = lent._seen[-1].state if lent._seen else None
+                            ready = seen in (VersionState.READY, VersionState.RETIRED)
+                            await self._whole(manifest, region, streamed=not ready)
                     finally:
                         tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
@@ -600,12 +604,12 @@ class Puller:
             await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
 
     async def _whole(self, manifest: Manifest, region: Region, *, streamed: bool) -> Manifest:
-        """A borrowed version once READY (a stream's: waited for, torn if it ends otherwise),
-        its host slot checked against its digests; its manifest, with them."""
-        if streamed:
+        """A borrowed version once READY (`streamed`: waited for, torn if it ends
+        otherwise), its host slot checked against its digests; its manifest, with them."""
+        if streamed:  # else seen READY already
             await self._until_ready(manifest, source="")
-            if manifest.digests is None and self.verify_digests and region.view is not None:
-                manifest = await self._manifest(manifest.version)  # the READY one's digests, if any
+        if manifest.digests is None and self.stream and self.verify_digests and region.view is not None:
+            manifest = await self._manifest(manifest.version)  # the READY one's digests, if any
         if manifest.digests is not None and self.verify_digests and region.view is not None:
             await self._verify(manifest, region)
         return manifest
