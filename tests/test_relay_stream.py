@@ -12,6 +12,7 @@ from weightpull import FakeClock, InProcessRegistry, Manifest, Principal, Versio
 from weightpull.drivers.fake import FakeFaults
 from weightpull.errors import InvalidArgumentError, NoSourceError, PermissionDeniedError, VersionStateError
 from weightpull.layout import TensorSpec, plan_layout
+from weightpull.transport import WrappedTransport
 
 from .conftest import SlowCopy, autojump, host_tensors
 
@@ -278,3 +279,65 @@ async def test_an_idle_relays_client_keeps_its_offer_alive_and_a_dead_ones_lapse
             assert (await trainer.status()).offers == ()
     finally:
         served.stop()
+
+
+class FairLink(WrappedTransport):
+    """Reads in flight share `rate` bytes a second equally, as TCP streams over one link
+    do (NIXL over UCX's tcp): reads asked together all land together, at the end. It
+    records the most reads in flight and when each landed (mirror offset)."""
+
+    def __init__(self, inner, clock, rate: float, tick: float = 0.125) -> None:
+        super().__init__(inner)
+        self.clock, self.rate, self.tick = clock, rate, tick
+        self.left: dict[object, float] = {}
+        self.most = 0
+        self.landed: list[tuple[float, int]] = []
+
+    async def read(self, remote, remote_offset, local, local_offset, nbytes) -> None:
+        key = object()
+        self.left[key] = nbytes
+        self.most = max(self.most, len(self.left))
+        try:
+            while self.left[key] > 0:
+                share = self.rate * self.tick / len(self.left)
+                await self.clock.sleep(self.tick)
+                self.left[key] -= share
+        finally:
+            del self.left[key]
+        await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
+        self.landed.append((self.clock.now(), local_offset))
+
+
+async def test_a_relay_reads_its_buckets_in_order_and_offers_each_as_it_lands(world):
+    """Over a link whose reads share it fairly, a relay that asked for all 8 buckets at
+    once would hold (and offer) its first only when it held them all; it reads them in
+    order, one at a time, so each lands a bucket's time after the one before, and its
+    offer and marks advance with them."""
+    publisher = world.publisher(stream=True, digests=True, bucket_bytes=2048)
+    await publisher.publish(1, host_tensors(1, sizes=SIZES))
+    buckets = (await world.registry.get(1)).layout.buckets
+    assert len(buckets) == 8
+    link = FairLink(world.transport(), world.clock, rate=buckets[0].nbytes)  # a bucket a second
+    relay = world.puller(link, host="h1", holder="relay", stream=True, relay=True, ttl=30)
+    counts: list[tuple[float, int]] = []  # (when, buckets the relay said it holds)
+    offer, mark = world.registry.offer, world.registry.mark_offer
+
+    async def offering(version, **kw):
+        counts.append((world.clock.now(), kw["landed"]))
+        await offer(version, **kw)
+
+    async def marking(version, landed, **kw):
+        counts.append((world.clock.now(), landed))
+        await mark(version, landed, **kw)
+
+    world.registry.offer, world.registry.mark_offer = offering, marking
+    async with autojump(world.clock):
+        pulled = await relay.pull()
+    assert exact(pulled)
+    assert link.most == 1  # one read in flight at a time
+    assert [offset for _, offset in link.landed] == [b.offset for b in buckets]  # in bucket order
+    assert [when for when, _ in link.landed] == pytest.approx([i + 1.0 for i in range(8)], abs=0.3)
+    assert counts[0] == (pytest.approx(1.0, abs=0.3), 1)  # offered once its first bucket landed
+    assert [n for _, n in counts] == sorted({n for _, n in counts}) and counts[-1][1] == 8
+    during = [n for when, n in counts if when < link.landed[-1][0]]
+    assert len(during) >= 4  # its readers could follow it bucket by bucket

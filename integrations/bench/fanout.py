@@ -25,10 +25,9 @@ holds), it offers its own mirror once its first bucket landed and marks each buc
 lands, and a reader of a relay reads each bucket once the relay marked it, then checks
 the publisher's digests. The registry lets `cap` readers at once read the trainer's slot
 (`registry serve --origin-cap`), as each relay does; a replica it finds no source for
-(every one full) asks again every `ASK_AGAIN_S`. A relaying replica's transport reads its
-buckets one at a time, in order (`InOrder`), so that each lands, and is offered, as early
-as it can: the puller asks for all it may read at once, which over NIXL's tcp lands them
-all together at the end.
+(every one full) asks again every `ASK_AGAIN_S`. A relaying puller reads its buckets one
+at a time, in order, so that each lands, and is offered, as early as it can (asked at
+once, over NIXL's tcp, they would all land together at the end).
 
 Each process is this module run with `python -m` inside its namespace, spoken to by JSON
 lines on its stdin and stdout.
@@ -51,7 +50,6 @@ import attrs
 
 from weightpull.digests import KINDS
 from weightpull.errors import InvalidArgumentError
-from weightpull.transport import WrappedTransport
 
 from .hosts import ENV, Hosts
 
@@ -167,29 +165,6 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-class InOrder(WrappedTransport):
-    """A relay's reads one at a time, in the order its puller asks them (bucket order),
-    and when the first landed. NIXL over UCX's tcp moves reads asked together interleaved:
-    a version's 16 buckets asked at once all landed within 1 ms of each other, 2.25 s
-    after they were asked, so a relay would hold (and offer) its first bucket only once it
-    held them all: a relayed run of 8 took 9.0 s, not 3.5. One at a time, each lands as
-    early as it can (the lock is FIFO). It stands in for a puller that relays reading its
-    buckets in order itself (docs/fanout.md)."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.lock: anyio.Lock | None = None
-        self.first: float | None = None  # when the first read landed (time.time())
-
-    async def read(self, remote: Any, remote_offset: int, local: Any, local_offset: int, nbytes: int) -> None:
-        if self.lock is None:
-            self.lock = anyio.Lock()
-        async with self.lock:
-            await self.inner.read(remote, remote_offset, local, local_offset, nbytes)
-        if self.first is None:
-            self.first = time.time()
-
-
 async def _replica(cfg: dict[str, Any]) -> None:
     from weightpull.errors import NoSourceError
     from weightpull.puller import Puller
@@ -200,9 +175,8 @@ async def _replica(cfg: dict[str, Any]) -> None:
     # Every reader shares one link here: a read outlasting the driver's 10 s warning is expected.
     logging.getLogger("weightpull.drivers.nixl").setLevel(logging.ERROR)
     relay = bool(cfg["relays"])
-    nixl = create_transport("nixl", progress_interval=cfg["progress_s"])
-    nixl.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
-    transport = InOrder(nixl) if relay else nixl
+    transport = create_transport("nixl", progress_interval=cfg["progress_s"])
+    transport.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
     async with _connect(cfg) as registry:
         if relay:
             puller = Puller(
@@ -227,6 +201,14 @@ async def _replica(cfg: dict[str, Any]) -> None:
             return lease
 
         setattr(registry, "acquire", placing)  # noqa: B010  (observed only)
+        offered: list[float] = []  # when a relay offered its mirror: its first bucket had landed
+        offer = registry.offer
+
+        async def offering(*args: Any, **kwargs: Any) -> Any:
+            offered.append(time.time())
+            return await offer(*args, **kwargs)
+
+        setattr(registry, "offer", offering)  # noqa: B010  (observed only)
         _say(ready=True)
         await _line()  # go
         cpu0 = time.process_time()  # every thread of this process, user and system
@@ -243,7 +225,7 @@ async def _replica(cfg: dict[str, Any]) -> None:
                     await anyio.sleep(ASK_AGAIN_S)
             end = time.time()
             handed, source = placed[-1]
-            first = transport.first if isinstance(transport, InOrder) else None
+            first = offered[0] if offered else None  # a relay's: its first offer
             _say(
                 end=end,
                 start=start,
