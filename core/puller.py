@@ -18,7 +18,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Self, cast
+from typing import NoReturn, Self, cast
 
 import anyio
 import attrs
@@ -369,9 +369,30 @@ class _Renewal:
     async def check(self, what: str) -> None:
         """`TornReadError` unless the lease held throughout (`what`: when it lapsed, and so what)."""
         if self.lost or not await self.registry.is_valid(self.lease):
-            raise TornReadError(f"{self.holder}: the lease on v{self.lease.version} lapsed {what}") from (
-                self.lost[0] if self.lost else None
-            )
+            self.torn(what)
+
+    def torn(self, what: str) -> NoReturn:
+        raise TornReadError(f"{self.holder}: the lease on v{self.lease.version} lapsed {what}") from (
+            self.lost[0] if self.lost else None
+        )
+
+    async def finish(self, what: str) -> None:
+        """Release the lease, then `TornReadError` unless it held throughout: one round
+        trip where the registry says so as it releases (`release_checked`), else `check`
+        then release. A registry that cannot be reached raises as `check` would (the lease
+        then ends by its TTL)."""
+        checked = getattr(self.registry, "release_checked", None)
+        valid = None
+        if checked is not None and not self.lost:
+            with anyio.CancelScope(shield=True):
+                valid = await checked(self.lease)
+        if valid is None:  # a registry that cannot say: asked first
+            try:
+                await self.check(what)
+            finally:
+                await release_quietly(self.registry, self.lease, self.holder)
+        elif not valid:
+            self.torn(what)
 
 
 class Puller:
@@ -562,7 +583,7 @@ class Puller:
             lease = await streaming.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
         else:
             lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
-        renewal = None
+        renewal, released = None, False
         try:
             manifest = await self._manifest(lease.version)
             check_transport(manifest, self.transport)
@@ -606,10 +627,12 @@ class Puller:
                         tg.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 raise first_error(group) from None
-            await renewal.check("while it was borrowed; what was read of it may mix versions")
+            released = True  # finish() releases it, whatever it says
+            await renewal.finish("while it was borrowed; what was read of it may mix versions")
             self._counts["borrows"] += 1
         finally:
-            await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
+            if not released:
+                await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
 
     async def _whole(self, manifest: Manifest, region: Region, *, streamed: bool) -> Manifest:
         """A borrowed version once READY (`streamed`: waited for, torn if it ends

@@ -319,6 +319,11 @@ class InProcessRegistry:
     async def release(self, lease: Lease) -> None:
         self.machine.release(lease, by=self.principal)
 
+    async def release_checked(self, lease: Lease) -> bool:
+        """End a lease, and say whether it held until then: a reader's last check and its
+        release in one call (`is_valid`, then `release`)."""
+        return self.machine.release(lease, by=self.principal)
+
     async def is_valid(self, lease: Lease) -> bool:
         return self.machine.is_valid(lease, by=self.principal)
 

@@ -515,15 +515,19 @@ class RegistryMachine:
         record.expires_at = self.clock.now() + record.ttl
         return record.public()
 
-    def release(self, lease: Lease, *, by: Principal = ADMIN) -> None:
-        """End a lease. Idempotent: releasing an ended or forgotten lease does nothing."""
+    def release(self, lease: Lease, *, by: Principal = ADMIN) -> bool:
+        """End a lease; whether it was still valid (as `is_valid` says) until then.
+        Idempotent: releasing an ended or forgotten lease does nothing (and says False)."""
         self._enter(by, "release")
         record = self._lease(lease)
         if record is not None:
             self._check_holder(by, record, "release")
-        if record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE:
+        valid = record is not None and not self._expired(record) and record.state is LeaseState.ACTIVE
+        if valid:
+            assert record is not None
             record.state = LEASE.fire(record.state, LeaseEvent.RELEASE, f"{lease.id}")
         self.relays.release(lease.id)
+        return valid
 
     def is_valid(self, lease: Lease, *, by: Principal = ADMIN) -> bool:
         self._enter(by, "is_valid")

@@ -345,3 +345,56 @@ async def test_a_version_lent_whole_names_every_tensor_at_once(world):
     await world.publisher().publish(1, host_tensors(1))
     async with world.puller().borrow() as lent:
         assert [names async for names in lent.landed()] == [tuple(host_tensors(1))]
+
+
+class OnlyOldReleases:
+    """The registry, as one of an earlier release sees it: no release_checked."""
+
+    def __init__(self, registry) -> None:
+        self._registry, self.calls = registry, []
+
+    def __getattr__(self, name):
+        if name == "release_checked":
+            raise AttributeError(name)
+        self.calls.append(name)
+        return getattr(self._registry, name)
+
+
+async def test_leaving_a_borrow_releases_and_checks_the_lease_in_one_call_where_the_registry_can(world):
+    await world.publisher().publish(1, host_tensors(1))
+    puller = world.puller()
+    calls = []
+    real = world.registry.release_checked
+
+    async def spy(lease):
+        calls.append(lease.version)
+        return await real(lease)
+
+    world.registry.release_checked = spy
+    async with puller.borrow() as lent:
+        assert_holds(lent, 1)
+    assert calls == [1] and await leases(world) == ()
+    old = world.puller()
+    old.registry = OnlyOldReleases(world.registry)
+    async with old.borrow() as lent:
+        assert_holds(lent, 1)
+    assert ["is_valid", "release"] == [c for c in old.registry.calls if c in ("is_valid", "release")]
+    assert await leases(world) == ()
+
+
+def test_a_release_says_whether_the_lease_held_until_then():
+    from weightpull import FakeClock
+    from weightpull.registry_machine import RegistryMachine
+
+    from .test_stream import manifest
+
+    clock = FakeClock()
+    machine = RegistryMachine(clock)
+    machine.begin(1, publisher="pub", slot=0)
+    machine.commit(manifest(1))
+    held = machine.acquire(1, ttl=5.0, holder="r")
+    assert machine.release(held) is True
+    assert machine.release(held) is False  # ended already
+    lapsed = machine.acquire(1, ttl=5.0, holder="r")
+    clock.advance(6.0)
+    assert machine.release(lapsed) is False

@@ -156,6 +156,9 @@ async def scenario(reg, other) -> list:
         await step(reg.wait_for_version(4, timeout=5.0))
     await step(reg.report_serving("r0", 2))
     await step(reg.report_serving("", 2))
+    held = await step(reg.acquire(ttl=5.0, holder="r2"))
+    await step(reg.release_checked(held))  # True: it held until then
+    await step(reg.release_checked(held))  # False: ended already
     await step(reg.status())
     return out
 
@@ -404,3 +407,24 @@ def test_registry_bench_the_old_spelling_still_runs_and_warns():
         and "`weightpull bench registry`" in bench.stderr
     )
     assert json.loads(bench.stdout)["clients"] == 2
+
+
+async def test_a_server_of_an_earlier_release_is_asked_is_valid_then_release(monkeypatch):
+    """`release_checked` is new: a server without it says so, and the client says None and
+    leaves the lease alone, so a reader asks is_valid, then releases, as before."""
+    from weightpull.drivers.zmq_registry import wire
+    from weightpull.drivers.zmq_registry.server import RegistryServer
+
+    monkeypatch.setattr(wire, "OPS", {k: v for k, v in wire.OPS.items() if k != "release_checked"})
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(RegistryServer("tcp://127.0.0.1:0", insecure_dev=True).serve)
+        async with ZmqRegistry(address, timeout=0.5, retry_for=5.0) as reg:
+            await reg.begin(1, publisher="p", slot=0)
+            await reg.commit(manifest(1))
+            lease = await reg.acquire(ttl=5.0, holder="r0")
+            assert await reg.release_checked(lease) is None
+            assert await reg.is_valid(lease)  # left alone
+            assert await reg.release_checked(lease) is None  # remembered: not asked again
+            await reg.release(lease)
+            assert not await reg.is_valid(lease)
+        tg.cancel_scope.cancel()

@@ -163,6 +163,7 @@ def test_every_operation_of_the_registry_is_on_the_wire():
         "acquire",
         "renew",
         "release",
+        "release_checked",
         "report_serving",
         "stream",
         "mark",

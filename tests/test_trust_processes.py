@@ -389,6 +389,7 @@ class Flooder:
             "acquire": self._acquire,
             "renew": self._renew,
             "release": self._release,
+            "release_checked": lambda: self._release(checked=True),
             "is_valid": lambda: self.reg.is_valid(self.lease()[1]),
             "report_serving": self._report_serving,
             "status": self._status,
@@ -547,11 +548,16 @@ class Flooder:
         self.hostile, lease = self.lease()
         await self.reg.renew(lease)
 
-    async def _release(self) -> None:
+    async def _release(self, checked: bool = False) -> None:
         """Releasing a lease the registry no longer knows does nothing, and succeeds
         (idempotent): another's, released so, must have gone with its version."""
         theirs, lease = self.lease()
-        await self.reg.release(lease)
+        if checked:
+            held = await self.reg.release_checked(lease)
+            if theirs and held:
+                self.hostile = True  # it held another's lease, and ended it
+        else:
+            await self.reg.release(lease)
         if theirs and lease.version in {v.version for v in (await self.reg.status()).versions}:
             self.hostile = True  # it was there to refuse
 

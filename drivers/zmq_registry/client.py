@@ -185,6 +185,7 @@ class ZmqRegistry:
         self._beat: anyio.CancelScope | None = None  # the running heartbeat's, to stop it
         self._loose: asyncio.Task[None] | None = None  # a heartbeat outside `async with` (the loop holds tasks weakly)
         self._keepalive = True  # False once a server of an earlier release said it has no such op
+        self._release_checked = True  # likewise
 
     def __repr__(self) -> str:
         return f"ZmqRegistry({self.address!r}, run={self.epoch})"
@@ -309,6 +310,19 @@ class ZmqRegistry:
 
     async def is_valid(self, lease: Lease) -> bool:
         return bool(await self._call("is_valid", lease=lease.to_dict()))
+
+    async def release_checked(self, lease: Lease) -> bool | None:
+        """End a lease, and say whether it held until then (one round trip for `is_valid`
+        then `release`); None, the lease left alone, from a server of an earlier release."""
+        if not self._release_checked:
+            return None
+        try:
+            return bool(await self._call("release_checked", lease=lease.to_dict()))
+        except MalformedMessageError as exc:
+            if "unknown operation" not in str(exc):
+                raise
+            self._release_checked = False
+            return None
 
     async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
         try:

@@ -470,6 +470,9 @@ class RegistryServer:
             case "renew":
                 return m.renew(Lease.from_dict(a["lease"]), by=by).to_dict()
             case "release":
+                m.release(Lease.from_dict(a["lease"]), by=by)
+                return None
+            case "release_checked":
                 return m.release(Lease.from_dict(a["lease"]), by=by)
             case "is_valid":
                 return m.is_valid(Lease.from_dict(a["lease"]), by=by)

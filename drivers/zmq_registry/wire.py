@@ -327,6 +327,7 @@ OPS: Mapping[str, Op] = {
     "wait_for_buckets": Op({"version": Count, "at_least": Count, "timeout": Seconds | None}, False, {"source": Text}),
     "renew": Op({"lease": Object}, True),
     "release": Op({"lease": Object}, True),
+    "release_checked": Op({"lease": Object}, True),
     "is_valid": Op({"lease": Object}, False),
     "wait_for_version": Op({"min_version": Count, "timeout": Seconds | None}, False),
     "report_serving": Op({"replica": Text, "version": Count}, True),
