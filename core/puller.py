@@ -18,14 +18,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import NoReturn, Self, cast
+from typing import TYPE_CHECKING, NoReturn, Self, cast
 
 import anyio
 import attrs
 
 from . import transports
 from .clock import Clock, MonotonicClock
-from .digests import matches, verify_bucket
+from .digests import WSUM64, kind_of, matches
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -50,12 +50,16 @@ from .registry import Lease, Registry, RelayingRegistry, ReservingRegistry, as_s
 from .states import VersionState
 from .transport import Region, Remote, Transport, fault_in
 
+if TYPE_CHECKING:
+    from .publisher import Digester
+
 log = logging.getLogger(__name__)
 
 _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 _MAX_REMOTES = 16
 DEFAULT_STALL_TIMEOUT = 30.0
 MAX_SOURCE_TRIES = 3  # sources a pull with host= tries before it fails
+_TORCH_DIGESTER = "weightpull.integrations.torch_digests.wsum64_digests"
 # Reads a relaying pull keeps in flight, taken in bucket order. Reads asked together share
 # the link and land together (NIXL over UCX's tcp interleaves them: 16 buckets asked at once
 # all landed within 1 ms of each other, at the end); one at a time, each lands, and is
@@ -414,12 +418,19 @@ class Puller:
         relay: bool = False,
         relay_cap: int | None = None,
         spare_mirror: bool = False,
+        digester: Digester | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
         (`staging=None` decides by `transport.reads_into_gpu`; True or False forces it).
-        Digests a publisher recorded are checked on the CPU, so on a host mirror only:
-        `verify_digests=None` checks them there, True insists (refused for a GPU mirror).
+
+        Digests a publisher recorded are checked on the host mirror's bytes, or, where they
+        are `wsum64` and `digester` is given, by it, where the mirror lies (a `Digester`,
+        as a publisher's: `weightpull.integrations.torch_digests.wsum64_digests` computes
+        them on a GPU). `verify_digests=None` checks what can be checked where the mirror
+        is: every kind on a host mirror, wsum64 with `digester` on a GPU, nothing on a GPU
+        without it; True insists (a GPU mirror needs `digester`, and a version whose
+        digests it cannot check, BLAKE2b's, is refused with `InvalidArgumentError`).
         A pull in which no read lands for `stall_timeout` seconds ends with
         `NoProgressError` (None waits forever). Progress is counted per read, and a read
         is at most a bucket, so the bound must exceed the time one bucket takes.
@@ -438,8 +449,9 @@ class Puller:
         With `host` (this replica's host name), each lease is placed at the source the
         registry picks (a `RelayingRegistry`): the version's own slot, or the mirror of a
         replica that offered it (a relay; `offer`), the same host's first. Bytes read from
-        a relay are checked bucket by bucket against the publisher's digests, on a host
-        mirror only. When a relay fails mid-read (gone, stalled, or bytes that do not
+        a relay are checked bucket by bucket against the publisher's digests, always: a
+        mirror on a GPU needs `digester`, and refuses a version whose digests are not
+        wsum64 (`InvalidArgumentError`, before reading) wherever it is placed. When a relay fails mid-read (gone, stalled, or bytes that do not
         match), the whole copy is dropped and read again from another source, excluding
         that one, up to `MAX_SOURCE_TRIES` sources: a copy never mixes two sources.
 
@@ -455,10 +467,10 @@ class Puller:
         into the other one (withdrawing that one's older offer first), so readers of a
         relay never hold up its next prefetch. The cost: one more buffer the size of a
         version, on `device` (a replica then holds its weights and two mirrors)."""
-        if verify_digests and device != "cpu":
+        if verify_digests and device != "cpu" and digester is None:
             raise InvalidArgumentError(
-                f"digests are verified on host mirrors only, not on {device!r}; "
-                "leave verify_digests unset to skip them there"
+                f"digests are verified on host mirrors, or on {device!r} by digester= "
+                f"({_TORCH_DIGESTER}); leave verify_digests unset to skip them there"
             )
         self.renew_every = check_lease_settings(ttl, renew_every, stall_timeout)
         if host is not None:
@@ -466,16 +478,25 @@ class Puller:
                 raise InvalidArgumentError(f"{type(registry).__name__} hands out no sources (host=)")
             if not isinstance(host, str) or not host:
                 raise InvalidArgumentError(f"host must be a non-empty string, got {host!r}")
-            if device != "cpu":
+            if device != "cpu" and digester is None:
                 raise InvalidArgumentError(
-                    f"reading from relays (host=) checks digests on a host mirror; not on {device!r}"
+                    f"reading from relays (host=) checks every bucket against the publisher's digests: a mirror "
+                    f"on {device!r} checks them with digester={_TORCH_DIGESTER}"
                 )
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
+        if relay and self.transport is not transport:
+            raise InvalidArgumentError(
+                f"a relay offers its mirror to other replicas, and a mirror on {device!r} fed through host staging "
+                f"cannot be exported: relay from a host mirror, or over a driver that reads into {device!r} "
+                "(staging=False)"
+            )
         self.holder = holder or _default_holder(registry)
         self.ttl = ttl
         self.device = device
-        self.verify_digests = device == "cpu" if verify_digests is None else verify_digests
+        self.digester = digester
+        self.verify_digests = (device == "cpu" or digester is not None) if verify_digests is None else verify_digests
+        self._insist = bool(verify_digests)  # digests that cannot be checked here refuse the version
         self.stall_timeout = stall_timeout
         self.stream = stream
         self.host = host
@@ -773,6 +794,7 @@ class Puller:
         try:
             manifest = await self._manifest(lease.version)
             check_transport(manifest, self.transport)
+            self._checkable(manifest, must=self.host is not None or self._insist)  # refused before any read
             if self.spare_mirror and self.offered is not None:
                 await self._take_spare()
             mirror = self._mirror_for(manifest.layout)
@@ -802,7 +824,8 @@ class Puller:
             if not source:  # a relayed copy was checked above, every bucket, once
                 if self.stream and manifest.digests is None and self.verify_digests:
                     manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
-                if manifest.digests is not None and self.verify_digests:
+                must = self.host is not None or self._insist
+                if manifest.digests is not None and self.verify_digests and self._checkable(manifest, must=must):
                     await self._verify(manifest, mirror)
             self.mirror_version = manifest.version
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
@@ -972,15 +995,33 @@ class Puller:
             manifest = await self._manifest(manifest.version)
         if manifest.digests is None:  # a registry refuses offers without them; a copy without is no copy
             raise DigestMismatchError(f"v{manifest.version} came from relay {source!r} with no digests to check")
-        view = mirror.host_view()
-        digests = manifest.digests
-
-        def check() -> None:
-            for b, want in zip(manifest.layout.buckets, digests, strict=True):
-                verify_bucket(manifest.version, b.index, view[b.offset : b.offset + b.nbytes], want, source=source)
-
-        await anyio.to_thread.run_sync(check)
+        if len(manifest.digests) != len(manifest.layout.buckets):
+            raise DigestMismatchError(
+                f"v{manifest.version} came from relay {source!r} with {len(manifest.digests)} digests for "
+                f"{len(manifest.layout.buckets)} buckets"
+            )
+        self._checkable(manifest, must=True)
+        await self._verify(manifest, mirror, source)
         return manifest
+
+    def _checkable(self, manifest: Manifest, *, must: bool) -> bool:
+        """Whether this puller can check the version's digests where its mirror lies: any
+        kind on a host mirror, wsum64 with `digester` on a device. One it must check
+        (`must`: it reads from relays, or insists) but cannot is refused, naming the fix."""
+        digests = manifest.digests
+        if digests is None or self.device == "cpu":
+            return True
+        kinds = sorted({kind_of(d) for d in digests})
+        if self.digester is not None and kinds == [WSUM64]:
+            return True
+        if must:
+            why = "" if self.digester is not None else f", with digester={_TORCH_DIGESTER}"
+            raise InvalidArgumentError(
+                f"v{manifest.version} records {'/'.join(kinds)} digests, which a mirror on {self.device!r} cannot "
+                f"check (only wsum64{why}): publish with digests='wsum64' to read it into a GPU mirror from relays "
+                "(or with verify_digests=True), or keep this mirror on the host (device='cpu')"
+            )
+        return False
 
     async def offer(self, *, cap: int | None = None) -> int:
         """Offer the version this mirror holds (the last pull's) to other replicas, as a
@@ -1026,20 +1067,36 @@ class Puller:
         while await registry.readers_at(version, self.holder):
             await self.clock.sleep(min(0.05, self.ttl / 10))
 
-    async def _verify(self, manifest: Manifest, mirror: Region) -> None:
-        view = mirror.host_view()
+    async def _verify(self, manifest: Manifest, mirror: Region, source: str = "") -> None:
+        """Every bucket of the copy in `mirror` against the publisher's digests: by
+        `digester` where they are wsum64 (where the mirror lies, a GPU's too), else over
+        the host's bytes, any kind. `DigestMismatchError` names the first that differs,
+        and `source`, the relay it was read from (if any)."""
+        buckets, digests = manifest.layout.buckets, manifest.digests or ()  # no digests: nothing to check
+        digester = self.digester if digests and all(kind_of(d) == WSUM64 for d in digests) else None
 
         def check() -> int | None:
-            for b, want in zip(
-                manifest.layout.buckets, manifest.digests or (), strict=False
-            ):  # no digests: nothing to check
+            """The position of the first bucket that does not match, if one does not."""
+            if digester is not None:
+                got = list(digester(mirror, [(b.offset, b.nbytes) for b in buckets]))
+                if len(got) != len(buckets):
+                    raise InvalidArgumentError(f"the digester gave {len(got)} digests for {len(buckets)} buckets")
+                return next((i for i, (want, have) in enumerate(zip(digests, got, strict=False)) if have != want), None)
+            view = mirror.host_view()
+            for i, (b, want) in enumerate(zip(buckets, digests, strict=False)):
                 if not matches(view[b.offset : b.offset + b.nbytes], want):  # any kind the publisher recorded
-                    return b.index
+                    return i
             return None
 
         bad = await anyio.to_thread.run_sync(check)
-        if bad is not None:
-            raise DigestMismatchError(f"v{manifest.version}: bucket {bad} does not match its digest")
+        if bad is None:
+            return
+        index, kind = buckets[bad].index, kind_of(digests[bad])
+        if source:
+            raise DigestMismatchError(
+                f"v{manifest.version}: bucket {index} read from {source!r} does not match the publisher's {kind} digest"
+            )
+        raise DigestMismatchError(f"v{manifest.version}: bucket {index} does not match its digest")
 
     async def _manifest(self, version: int) -> Manifest:
         """Manifests never change once READY: fetch each version's once (a stream's,

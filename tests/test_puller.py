@@ -147,11 +147,12 @@ async def test_a_connection_to_memory_that_is_gone_is_dropped_not_kept(world):
     assert (await puller.pull()).version == 1 and list(puller._remotes) == [r.manifest.source]
 
 
-def test_digests_are_checked_on_host_mirrors_only(world):
-    """They are hashed on the CPU: a GPU mirror skips them by default, and insisting is refused
-    up front, rather than every pull failing after its reads."""
+def test_digests_are_checked_on_host_mirrors_or_by_a_digester(world):
+    """They are hashed on the CPU, or by a digester where the mirror lies: a GPU mirror
+    without one skips them by default, and insisting is refused up front, rather than
+    every pull failing after its reads."""
     assert world.puller().verify_digests
-    with pytest.raises(InvalidArgumentError, match="host mirrors only, not on 'cuda:0'"):
+    with pytest.raises(InvalidArgumentError, match="or on 'cuda:0' by digester="):
         world.puller(device="cuda:0", verify_digests=True)
 
 

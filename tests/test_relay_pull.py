@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from weightpull import FakeClock, InProcessRegistry, InvalidArgumentError, PermissionDeniedError, Principal
+from weightpull import FakeClock, InProcessRegistry, InvalidArgumentError, PermissionDeniedError, Principal, digests
 from weightpull.clock import within
+from weightpull.drivers.fake import FakeTransport
 from weightpull.errors import NoSourceError, TransportError, VersionStateError
 from weightpull.manifest import Manifest
 
@@ -124,8 +125,8 @@ async def test_a_full_relay_and_an_excluded_origin_leave_no_source(world):
     assert (await world.registry.acquire(1, ttl=5.0, holder="b", host="h1", exclude=["origin"])).source == "relay"
 
 
-async def test_host_needs_a_host_mirror_and_a_name(world):
-    with pytest.raises(InvalidArgumentError, match="host mirror"):
+async def test_host_needs_a_name_and_a_gpu_mirror_a_digester(world):
+    with pytest.raises(InvalidArgumentError, match="digester=weightpull.integrations.torch_digests.wsum64_digests"):
         world.puller(host="h1", device="cuda:0")
     with pytest.raises(InvalidArgumentError, match="host must be"):
         world.puller(host="")
@@ -262,3 +263,85 @@ async def test_a_relayed_copy_is_checked_once_bucket_by_bucket(world, monkeypatc
     checked.clear()
     assert same(await world.puller(holder="direct", stream=stream).pull())  # the slot's copy: checked once too
     assert checked == [b.nbytes for b in pulled.layout.buckets]
+
+
+# -- mirrors on a device: digests checked by a digester ------------------------------------
+
+
+class OnDevice(FakeTransport):
+    """The fake driver, its mirrors labelled as on a device: a puller with device="cuda:0"
+    (staging=False) takes a GPU mirror's path, where digests are the digester's to check."""
+
+    def allocate(self, nbytes: int, device: str = "cpu"):
+        region = super().allocate(nbytes, "cpu")
+        region.device = device
+        return region
+
+
+def wsum64_of_host(calls: list):
+    """A digester computing real wsum64 digests of the region's bytes, counting its calls."""
+
+    def digester(region, spans):
+        calls.append(len(spans))
+        view = region.memory if region.view is None else region.view
+        return [digests.digest(memoryview(view)[o : o + n], digests.WSUM64) for o, n in spans]
+
+    return digester
+
+
+def torch_digester(calls: list):
+    """The torch integration's own (wsum64 by tensor ops, here on host memory)."""
+    wsum64_digests = pytest.importorskip("weightpull.integrations.torch_digests").wsum64_digests
+
+    def digester(region, spans):
+        calls.append(len(spans))
+        return wsum64_digests(region, spans)
+
+    return digester
+
+
+@pytest.mark.parametrize("make", [wsum64_of_host, torch_digester])
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+async def test_a_digester_checks_a_relayed_copy_and_catches_a_changed_byte(world, caplog, make, device):
+    """A relayed copy (into a host mirror, or a mirror on a "device") is checked by the
+    digester, once, each bucket; a byte the relay changed is caught, and the copy read
+    again from the trainer's slot (checked by the digester too)."""
+    await world.publisher(digests="wsum64").publish(1, host_tensors(1))
+    relay = world.puller(host="h1", holder="relay")
+    await relay.pull()
+    await relay.offer()
+    calls: list[int] = []
+
+    def reader(name):
+        transport = OnDevice(clock=world.clock, fabric=world.fabric)
+        return world.puller(transport, host="h1", holder=name, device=device, staging=False, digester=make(calls))
+
+    first = await reader("reader").pull()
+    assert same(first) and calls == [len(first.layout.buckets)]
+    assert first.region.device == device and "failed" not in caplog.text
+    relay.mirror.host_view()[10] ^= 0xFF  # a bug, or a hostile relay
+    calls.clear()
+    second = reader("reader2")
+    assert same(await second.pull()) and second.metrics()["pull/failed"] == 0
+    assert "relay 'relay' failed v1" in caplog.text and "does not match the publisher's wsum64 digest" in caplog.text
+    assert calls == [len(first.layout.buckets)] * 2  # the relay's copy, then the slot's
+
+
+async def test_a_mirror_on_a_device_refuses_digests_it_cannot_check_before_reading(world):
+    """BLAKE2b digests are computed on the host only: a GPU mirror that reads from relays
+    refuses such a version, naming the fix, before any byte is read; one that reads the
+    trainer's slot alone (no host=) pulls it unchecked, as before."""
+    await world.publisher(digests=True).publish(1, host_tensors(1))
+    calls: list[int] = []
+    transport = OnDevice(clock=world.clock, fabric=world.fabric)
+    gpu = world.puller(transport, host="h1", device="cuda:0", staging=False, digester=wsum64_of_host(calls))
+    with pytest.raises(InvalidArgumentError, match=r"records blake2b128 digests.*publish with digests='wsum64'"):
+        await gpu.pull()
+    assert gpu.mirror is None and calls == []  # refused before its mirror was made
+    assert (await world.registry.status()).leases == ()  # its lease released
+    plain = world.puller(transport, device="cuda:0", staging=False, digester=wsum64_of_host(calls))
+    assert same(await plain.pull()) and calls == []
+    with pytest.raises(InvalidArgumentError, match="records blake2b128"):
+        await world.puller(
+            transport, device="cuda:0", staging=False, digester=wsum64_of_host(calls), verify_digests=True
+        ).pull()

@@ -51,8 +51,6 @@ def test_the_relay_options_default_to_a_plain_replica():
         ({"host": "h1", "relay_cap": 2}, "PullSpec.relay_cap caps a relay's readers"),
         ({"host": "h1", "sharded": True}, "PullSpec.host cannot go with PullSpec.sharded=True"),
         ({"stream": True, "sharded": True}, "PullSpec.stream cannot go with PullSpec.sharded=True"),
-        ({"host": "h1", "mirror_device": "cuda"}, "PullSpec.mirror_device must be 'cpu' with it, got 'cuda'"),
-        ({"host": "h1", "mirror_device": "cuda:1"}, "PullSpec.mirror_device must be 'cpu' with it"),
     ],
 )
 def test_a_bad_relay_option_is_refused_naming_it(options, field):
@@ -74,6 +72,22 @@ def test_the_options_reach_each_workers_pullers_as_the_puller_takes_them():
     assert relaying(attrs.asdict(whole))["stream"] is False
     assert relaying(attrs.asdict(PullSpec(ADDRESS, "r3", stream=True))) == {"stream": True}
     assert PullSpec(ADDRESS, "r4", host="h1", mirror_device="cpu").host == "h1"
+
+
+def test_gpu_mirrors_read_from_relays_checked_by_the_torch_digester():
+    """A GPU mirror checks a relay's bytes against the publisher's wsum64 digests where it
+    lies: `host` goes with `mirror_device="cuda"`, and each worker's pullers of a GPU
+    mirror get the torch digester (a host mirror's are checked on the CPU; a rank's slice
+    reads the trainer's shards alone)."""
+    from weightpull.integrations.torch_digests import wsum64_digests
+    from weightpull.integrations.vllm.mirrors import MirrorPair
+    from weightpull.integrations.vllm.worker import digesting
+
+    assert PullSpec(ADDRESS, "r0", host="h1", relay=True, mirror_device="cuda").mirror_device == "cuda"
+    assert digesting("cuda:0", sliced=False) == {"digester": wsum64_digests}
+    assert digesting("cpu", sliced=False) == digesting("cuda:0", sliced=True) == {}
+    pair = MirrorPair(InProcessRegistry(), FakeTransport(), holder="r0", host="h1", digester=wsum64_digests)
+    assert [p.digester for p in pair.pullers] == [wsum64_digests] * 2
 
 
 def test_each_worker_of_a_relaying_engine_offers_under_its_own_name():

@@ -112,12 +112,6 @@ class PullSpec:
                         f"PullSpec.{name} cannot go with PullSpec.sharded=True: a rank's slice is read from "
                         "the trainer's shards alone (relays serve whole versions, and sliced pulls do not stream)"
                     )
-        # The digest check of a relay's bytes runs on host memory (as `Puller(host=)` says).
-        if self.host is not None and self.mirror_device != "cpu":
-            raise InvalidArgumentError(
-                f"PullSpec.host reads from relays, whose bytes are checked against the publisher's digests "
-                f"on host mirrors only: PullSpec.mirror_device must be 'cpu' with it, got {self.mirror_device!r}"
-            )
 
 
 class VllmEngine:

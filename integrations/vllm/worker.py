@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from weightpull.errors import InvalidArgumentError, UnsupportedModelError, WeightpullError
+from weightpull.integrations.torch_digests import wsum64_digests
 from weightpull.layout import TensorSpec
 from weightpull.puller import Pulled
 from weightpull.slice_puller import SlicePulled
@@ -74,6 +75,15 @@ def relaying(spec: dict[str, Any]) -> dict[str, Any]:
         "relay": bool(spec.get("relay", False)),
         "relay_cap": spec.get("relay_cap"),
     }
+
+
+def digesting(device: str, *, sliced: bool) -> dict[str, Any]:
+    """The `Puller`'s digest check for mirrors on `device`: on a GPU, the torch digester,
+    which checks the publisher's wsum64 digests where the mirror lies (so that it may read
+    from relays: `host`); none for a host mirror (checked on the CPU) or a rank's slice."""
+    if device == "cpu" or sliced:
+        return {}
+    return {"digester": wsum64_digests}
 
 
 def mirror_device(wanted: str, worker_device: Any) -> str:
@@ -134,6 +144,7 @@ class WeightpullWorker:
                 device=device,
                 rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
                 **relaying(spec),
+                **digesting(device, sliced=self._weightpull_sliced is not None),
             )
         except WeightpullError as exc:  # as data: the engine raises it, typed
             self._weightpull = None
