@@ -543,6 +543,8 @@ class Publisher:
         The slots are then registered with the registry (a `Reservation`), so that
         replicas map them and size their mirrors before the first version
         (`Puller.prepare`)."""
+        if not self._adopted and shard is None:  # the registry's status read now, not in the first publish
+            await self._adopt()
         if isinstance(tensors, int):
             nbytes = version_bytes = tensors
             if shard is not None:

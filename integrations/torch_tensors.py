@@ -81,9 +81,9 @@ class TorchAdapter:
         for placement in layout.placements:
             self._view(region, placement)
         with torch.no_grad():
-            for source, target in casts:
-                into = torch.empty(2, dtype=target, device=region.device)
-                into.copy_(torch.zeros(2, dtype=source, device=device), non_blocking=True)
+            for source, target in casts:  # a million elements: the vectorised kernel a model's tensors take
+                into = torch.empty(1 << 20, dtype=target, device=region.device)
+                into.copy_(torch.zeros(1 << 20, dtype=source, device=device), non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
