@@ -368,8 +368,9 @@ class Publisher:
         self, manifest: Manifest, adapter: TensorAdapter, writes: list[tuple[Any, Placement]], region: Region
     ) -> None:
         """Copy bucket by bucket (a few buckets a write when there are many) while a
-        marker announces the stream, then tells the registry how many buckets have landed: one mark in flight at a time, carrying the
-        newest count, so marks batch themselves to the pace the registry answers at."""
+        marker announces the stream, then tells the registry how many buckets have
+        landed: one mark in flight at a time, carrying the newest count, so marks batch
+        themselves to the pace the registry answers at."""
         registry = as_streaming(self.registry)
         by_bucket: dict[int, list[tuple[Any, Placement]]] = {}
         for value, placement in writes:
