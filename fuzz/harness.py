@@ -484,6 +484,13 @@ class ReaderLink:
         await self._alive()
         return await self.registry.is_valid(lease)
 
+    async def release_checked(self, lease: Lease) -> bool | None:
+        if self.dead:  # nothing arrives; said so, a puller asks is_valid, which never answers
+            return None
+        held = await self.registry.release_checked(lease)
+        self.model.released(lease)
+        return held
+
     async def get(self, version: int):
         await self._alive()
         return await self.registry.get(version)

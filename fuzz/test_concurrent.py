@@ -15,12 +15,12 @@ from __future__ import annotations
 import anyio
 import attrs
 import pytest
-from hypothesis import given, note
+from hypothesis import given
 from hypothesis import strategies as st
 
 from weightpull import NoReadyVersionError, Publisher, TornReadError, VersionWaitTimeoutError, WhenFull
 
-from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump
+from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump, note
 from .profiles import example, fuzz
 
 LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
@@ -67,6 +67,9 @@ class Borrow:
     pause: float
     hold: float  # the block reads the slot for this long, on its process's clock
     freeze: tuple[float, float] | None = None  # after [0] seconds its process stops for [1]
+    # Lent while still written (`whole=False`), each tensor read as `landed()` names it;
+    # else lent once READY. Either way by a streaming puller, which leases it as it streams.
+    early: bool = False
 
 
 @attrs.frozen
@@ -121,9 +124,10 @@ scenarios = st.builds(
     ),
     st.lists(st.booleans(), min_size=2, max_size=2).map(tuple),
     st.lists(st.booleans(), min_size=3, max_size=3).map(tuple),
-    st.lists(st.builds(Borrow, half_seconds, half_seconds.map(lambda s: 2 * s), st.none() | pauses), max_size=4).map(
-        tuple
-    ),
+    st.lists(
+        st.builds(Borrow, half_seconds, half_seconds.map(lambda s: 2 * s), st.none() | pauses, st.booleans()),
+        max_size=4,
+    ).map(tuple),
 )
 
 
@@ -198,8 +202,10 @@ async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
 async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
     """A replica applying straight from the slot: a borrow whose block ends without
     `TornReadError` read its version's own bytes from start to end (the slot was never
-    rewritten under it); one rejected had its lease lapse (its process froze)."""
-    process = world.reader()
+    rewritten under it; lent while written, each tensor once `landed()` named it); one
+    rejected had its lease lapse (its process froze), or its version's stream ended
+    unfinished."""
+    process = world.reader(stream=True)
     for step in program:
         await world.clock.sleep(step.pause)
         granted: list = []
@@ -209,9 +215,12 @@ async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
             async with anyio.create_task_group() as tg:
                 if step.freeze is not None:
                     tg.start_soon(freeze, process, *step.freeze)
-                async with process.puller.borrow() as lent:
+                async with process.puller.borrow(whole=not step.early) as lent:
                     names = [p.spec.name for p in lent.layout.placements]
-                    first = {n: bytes(lent.view(n)) for n in names}
+                    first: dict[str, bytes] = {}
+                    async for landed in lent.landed():  # while written: a batch at each mark
+                        first.update((n, bytes(lent.view(n))) for n in landed)
+                        await process.clock.sleep(step.hold / 4)
                     await process.clock.sleep(step.hold)
                     read.append((lent.version, first, {n: bytes(lent.view(n)) for n in names}))
         except BaseExceptionGroup as group:
@@ -220,8 +229,11 @@ async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
                 assert not granted, "a lease granted, yet no borrow"  # (a READY version may have come since)
             elif isinstance(exc, TornReadError):
                 (record,) = granted
-                assert record.lapsed(world.clock.now()), f"v{record.lease.version}'s borrow rejected, its lease whole"
-                note("borrow: rejected, its lease lapsed")
+                ended = record.lease.version in world.model.aborted
+                assert ended or record.lapsed(world.clock.now()), (
+                    f"v{record.lease.version}'s borrow rejected, its lease whole and its stream not ended: {exc}"
+                )
+                note("borrow: rejected, its stream ended unfinished" if ended else "borrow: rejected, its lease lapsed")
             else:
                 raise exc from None
         else:
@@ -229,7 +241,7 @@ async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
             version, first, last = read[0]
             assert not record.lapsed(world.clock.now()), f"a borrow of v{version} kept, though its lease lapsed"
             assert first == last == world.model.contents[version], f"the slot of v{version} changed while borrowed"
-            note("borrow: whole")
+            note("borrow: kept, lent while written" if step.early else "borrow: kept")
         process.clock.thaw()
         await world.check(publishing=True)
 
