@@ -534,8 +534,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
         record = self.leases[lease_id]
         live = lease_id in self.live_leases()
         outcome = self.act(who, op, lambda by: getattr(self.m, op)(record.lease, by=by))
-        if op == "release":
-            assert outcome is None, f"release: {outcome!r}"
+        if op == "release":  # says whether the lease held until then
+            assert outcome is live, f"release of {'a live' if live else 'an ended'} lease said {outcome!r}"
             record.released = True
         elif live:
             assert isinstance(outcome, Lease), f"{who}'s renewal of its live lease {lease_id}: {outcome!r}"
