@@ -138,6 +138,13 @@ def test_status_looks_where_registry_serve_binds_by_default():
     assert "tcp://127.0.0.1:5555" in run("registry", "serve", "--help").stdout
 
 
+def _ctrl_c_stops() -> None:
+    """In the child: Ctrl-C (SIGINT) as a terminal delivers it, even where this test runs as
+    a background job, whose children start with it ignored (and Python then never raises
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Served:
     """`registry serve --json` on a free port: its ready line, parsed."""
 
@@ -148,6 +155,7 @@ class Served:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_ctrl_c_stops,
         )
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         assert ready, "no ready line within 60 s"
@@ -206,6 +214,7 @@ def test_status_watch_reads_again_until_ctrl_c(terminal):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_ctrl_c_stops,
         )
         seen = ""
         deadline = time.monotonic() + 60
