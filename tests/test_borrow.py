@@ -20,7 +20,7 @@ from weightpull import (
 from weightpull.layout import TensorSpec
 from weightpull.transport import WrappedTransport
 
-from .conftest import autojump, host_tensors
+from .conftest import SlowCopy, autojump, host_tensors
 
 pytestmark = pytest.mark.anyio
 
@@ -220,8 +220,6 @@ RATE = 1500.0  # bytes per second: one bucket a second
 
 
 async def test_a_streaming_borrow_leases_the_version_as_it_is_written_and_lends_it_once_ready(world):
-    from .conftest import SlowCopy
-
     publisher = world.publisher(stream=True, adapter=SlowCopy(RATE, world.clock.sleep), bucket_bytes=2048)
     puller = world.puller(stream=True, holder="replica-0")
     seen = {}
@@ -254,18 +252,22 @@ async def test_a_streaming_borrow_leases_the_version_as_it_is_written_and_lends_
     assert puller.mirror is None and puller.metrics()["pull/borrows"] == 1
 
 
-async def test_a_stream_aborted_while_borrowed_never_enters_the_block(world):
-    from .conftest import SlowCopy
-
+def aborting(world):
+    """A streaming publish of v1 whose copy fails at its fifth write: run it in a task."""
     adapter = SlowCopy(RATE, world.clock.sleep, 4, "the trainer's device fell off the bus")
     publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+
+    async def publish() -> None:
+        with pytest.raises(PublishError):
+            await publisher.publish(1, host_tensors(1, sizes=SIZES))
+
+    return publish
+
+
+async def test_a_stream_aborted_while_borrowed_never_enters_the_block(world):
+    publish = aborting(world)
     puller = world.puller(stream=True)
     async with autojump(world.clock), anyio.create_task_group() as tg:
-
-        async def publish() -> None:
-            with pytest.raises(PublishError):
-                await publisher.publish(1, host_tensors(1, sizes=SIZES))
-
         tg.start_soon(publish)
         with pytest.raises(TornReadError, match="ABORTED.*device fell off"):
             async with puller.borrow(1, wait=30.0):
@@ -294,8 +296,6 @@ async def test_a_streaming_borrow_of_a_number_never_begun_is_told_so(world):
 
 
 async def test_a_borrow_not_whole_names_the_tensors_as_they_land_and_checks_the_version_on_leaving(world):
-    from .conftest import SlowCopy
-
     publisher = world.publisher(stream=True, adapter=SlowCopy(RATE, world.clock.sleep), bucket_bytes=2048)
     puller = world.puller(stream=True)
     batches, seen = [], {}
@@ -317,18 +317,10 @@ async def test_a_borrow_not_whole_names_the_tensors_as_they_land_and_checks_the_
 
 
 async def test_a_stream_aborted_while_applied_not_whole_is_torn(world):
-    from .conftest import SlowCopy
-
-    adapter = SlowCopy(RATE, world.clock.sleep, 4, "the trainer's device fell off the bus")
-    publisher = world.publisher(stream=True, adapter=adapter, bucket_bytes=2048)
+    publish = aborting(world)
     puller = world.puller(stream=True)
     applied: list[str] = []
     async with autojump(world.clock), anyio.create_task_group() as tg:
-
-        async def publish() -> None:
-            with pytest.raises(PublishError):
-                await publisher.publish(1, host_tensors(1, sizes=SIZES))
-
         tg.start_soon(publish)
         with pytest.raises(TornReadError, match="ABORTED"):
             async with puller.borrow(1, wait=30.0, whole=False) as lent:
