@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar, runtime_checkable
@@ -37,6 +38,26 @@ class MonotonicClock:
 
     def __repr__(self) -> str:
         return "MonotonicClock()"
+
+
+class ScaledClock:
+    """A clock that runs at `rate` seconds per second of `base`: a host whose clock runs
+    fast or slow against the registry's, for tests and fuzzing (leases and stalls are
+    judged on the registry's clock whatever this one says)."""
+
+    def __init__(self, base: Clock, rate: float) -> None:
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate must be a positive finite number, got {rate!r}")
+        self.base, self.rate = base, float(rate)
+
+    def now(self) -> float:
+        return self.base.now() * self.rate
+
+    async def sleep(self, seconds: float) -> None:
+        await self.base.sleep(seconds / self.rate)
+
+    def __repr__(self) -> str:
+        return f"ScaledClock({self.base!r}, rate={self.rate:g})"
 
 
 class FakeClock:

@@ -160,6 +160,7 @@ class _Pacer:
         self.nominal = min(renew_every, ttl / 3)  # registry seconds between renewals
         self.floor = self.nominal * _RATE_MIN  # local seconds between renewals, at least
         self.rate: float | None = None  # local seconds per registry second, once measured
+        self.measured: float | None = None  # the same, unbounded: the last measure
         self._base: tuple[float, float] | None = None  # (local reply time, registry time) of a grant
         self.due = 0.0  # the local time of the next renewal
         self.granted(lease, sent, received)
@@ -167,13 +168,15 @@ class _Pacer:
     def granted(self, lease: Lease, sent: float, received: float) -> None:
         """The acquire's or a renewal's grant, asked at local time `sent` and answered at `received`."""
         at = lease.expires_at - lease.ttl
+        self.last = (at, sent)  # the registry's time of the newest grant, and the local time it was asked
         if math.isfinite(at):
             if self._base is None:
                 self._base = (received, at)
             elif (registry := at - self._base[1]) <= 0:  # an odd reply, or the last one was: measure from here
                 self._base = (received, at)
             elif (local := sent - self._base[0]) > 0:  # else too close to the last grant: measure a longer span
-                self.rate = min(max(local / registry, _RATE_MIN), _RATE_MAX)
+                self.measured = local / registry
+                self.rate = min(max(self.measured, _RATE_MIN), _RATE_MAX)
                 self._base = (received, at)
         interval = self.nominal
         if math.isfinite(lease.ttl) and lease.ttl > 0:
@@ -309,21 +312,37 @@ async def read_under_lease(
     `TornReadError` when the lease lapsed (`what` names the version read, `copy` what
     was read of it, `source` where from)."""
     renewal = _Renewal(registry, lease, pacer, clock, holder)
-    landed, last_landed, stalled = 0, clock.now(), False
+    silence = None if stall_timeout is None else _Silence(pacer, clock.now())
+    if silence is not None:
+        renewal.on_grant = silence.granted
+    landed, stalled = 0, False
 
     def note(nbytes: int) -> None:
-        nonlocal landed, last_landed
+        nonlocal landed
         landed += nbytes
-        last_landed = clock.now()
+        if silence is not None:
+            silence.landed(clock.now())
 
     async def reads(read_all: Callable[[Callable[[int], None]], Awaitable[None]]) -> None:
         await read_all(note)
         tg.cancel_scope.cancel()  # every byte landed: stop renewing
 
-    async def watchdog(timeout: float) -> None:
+    async def watchdog(timeout: float, silence: _Silence) -> None:
         nonlocal stalled
-        while (left := last_landed + timeout - clock.now()) > 0:  # a deadline: no float creep
-            await clock.sleep(left)
+        # Only the registry's time is judged (its grants' stamps), so a local clock at any
+        # rate ends a read neither early nor late. The watchdog wakes at least once a
+        # renewal interval, and at the deadline as far as the evidence goes asks for a
+        # grant now (a probe), so that a stall ends on time. (No wait here is cancelled
+        # by another task: under a fake clock's autojump each such cancel costs 0.1 s.)
+        while (left := timeout - silence.seconds(clock.now(), renewal.answering)) > 0:
+            rate = min(pacer.measured or _RATE_MIN, _RATE_MAX)  # local seconds per registry second, at most
+            if renewal.answering:  # the time since the newest grant, estimated for the sleep alone
+                left = max(0.0, left - silence.since_grant(clock.now()) / rate)
+            step = min(left, pacer.nominal)  # the registry's seconds
+            # At least a microsecond: a fake clock must move past a deadline rounding left short of.
+            await clock.sleep(max(step * rate, 1e-6))
+            if step == left:
+                await renewal.probe()
         stalled = True
         tg.cancel_scope.cancel()
 
@@ -332,8 +351,8 @@ async def read_under_lease(
             if read_all is not None:
                 tg.start_soon(renewal.run, tg.cancel_scope.cancel)
                 tg.start_soon(reads, read_all)
-                if stall_timeout is not None:
-                    tg.start_soon(watchdog, stall_timeout)
+                if stall_timeout is not None and silence is not None:
+                    tg.start_soon(watchdog, stall_timeout, silence)
     except BaseExceptionGroup as group:
         raise first_error(group) from None
     if stalled and not renewal.lost:
@@ -344,6 +363,58 @@ async def read_under_lease(
     return renewal.lease, renewal.renewals
 
 
+class _Silence:
+    """How long no read has landed, in seconds of the registry's clock: what a stall is
+    judged by, whatever rate the local clock runs at.
+
+    Each grant of the lease is stamped with the registry's time it was made
+    (`expires_at - ttl`). A landing (and the read's start, which counts as one) is dated
+    no later than the newest grant's stamp plus the local time since it was asked,
+    counted at the slowest rate the local clock may run at (the pacer's measure, a lower
+    bound; until it has one, the slowest it believes), and no later than the first grant
+    asked after it. The silence since runs to the newest grant's stamp. Both bounds lean
+    one way, so no read is ended early; on clocks of one rate the date is exact. A
+    registry whose grants carry no finite time, or one that does not answer, leaves only
+    the local clock, taken as running at most `_RATE_MAX` times the registry's."""
+
+    def __init__(self, pacer: _Pacer, now: float) -> None:
+        self.pacer = pacer
+        self.newest, self.newest_asked = pacer.last  # the newest grant's stamp, and the local time it was asked
+        self.stamped = math.isfinite(self.newest)
+        self.last_landed = now  # local time
+        self.mark = self._date(now)  # the registry's time of the last landing, at most
+
+    def _date(self, local: float) -> float:
+        slowest = self.pacer.measured or _RATE_MIN  # local seconds per registry second, at least
+        return self.newest + max(0.0, local - self.newest_asked) / slowest
+
+    def landed(self, now: float) -> None:
+        self.last_landed = now
+        self.mark = self._date(now)
+
+    def granted(self, lease: Lease, sent: float) -> None:
+        """A grant asked at local time `sent`."""
+        at = lease.expires_at - lease.ttl
+        if not (self.stamped and math.isfinite(at)):
+            self.stamped = False
+            return
+        if sent >= self.last_landed:
+            self.mark = min(self.mark, at)
+        if at >= self.newest:
+            self.newest, self.newest_asked = at, sent
+
+    def since_grant(self, now: float) -> float:
+        """Local seconds since the newest grant was asked."""
+        return max(0.0, now - self.newest_asked)
+
+    def seconds(self, now: float, answering: bool) -> float:
+        local = now - self.last_landed
+        if not self.stamped:
+            return local
+        registry = max(0.0, self.newest - self.mark)
+        return registry if answering else max(registry, local / _RATE_MAX)
+
+
 class _Renewal:
     """A lease renewed when `pacer` says, until cancelled, and checked at the end: what a
     read under a lease and a borrowed slot share."""
@@ -352,23 +423,36 @@ class _Renewal:
         self.registry, self.lease, self.pacer, self.clock, self.holder = registry, lease, pacer, clock, holder
         self.renewals = 0
         self.lost: list[BaseException] = []  # why the registry ended the lease, if it did
+        self.answering = True  # whether the last renewal was granted
+        self.on_grant: Callable[[Lease, float], None] | None = None  # each grant, and the local time it was asked
+        self._on_lost: Callable[[], object] = lambda: None
 
     async def run(self, on_lost: Callable[[], object]) -> None:
-        while True:
+        self._on_lost = on_lost
+        while not self.lost:
             await self.clock.sleep(self.pacer.due - self.clock.now())
-            sent = self.clock.now()
-            try:
-                self.lease = await self.registry.renew(self.lease)
-            except _LEASE_LOST as exc:
-                self.lost.append(exc)
-                on_lost()
-                return
-            except WeightpullError as exc:  # transient: the final check decides
-                log.warning("%s: renewing lease %s failed: %s", self.holder, self.lease.id, exc)
-                self.pacer.failed(sent)
-                continue
-            self.renewals += 1
-            self.pacer.granted(self.lease, sent, self.clock.now())
+            await self.probe()
+
+    async def probe(self) -> None:
+        """Renew now (what `run` does when the pacer says): a fresh grant, stamped with
+        the registry's time."""
+        sent = self.clock.now()
+        try:
+            self.lease = await self.registry.renew(self.lease)
+        except _LEASE_LOST as exc:
+            self.lost.append(exc)
+            self._on_lost()
+            return
+        except WeightpullError as exc:  # transient: the final check decides
+            log.warning("%s: renewing lease %s failed: %s", self.holder, self.lease.id, exc)
+            self.pacer.failed(sent)
+            self.answering = False
+            return
+        self.renewals += 1
+        self.answering = True
+        self.pacer.granted(self.lease, sent, self.clock.now())
+        if self.on_grant is not None:
+            self.on_grant(self.lease, sent)
 
     async def check(self, what: str) -> None:
         """`TornReadError` unless the lease held throughout (`what`: when it lapsed, and so what)."""

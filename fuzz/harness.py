@@ -45,6 +45,7 @@ from weightpull import (
     WeightpullError,
     WhenFull,
 )
+from weightpull.clock import ScaledClock
 from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.drivers.faulty import Faults, FaultyTransport
 from weightpull.principals import Principal
@@ -54,6 +55,11 @@ from . import profiles
 
 TTL = 6.0  # every reader's lease TTL; renewed every TTL / 3 while a read runs
 STALL = 30.0  # a pull in which no read lands this long ends with NoProgressError
+# The watchdog judges on the registry's clock, from its grants' stamps: never early, and at
+# most a renewal interval late (TTL / 3; 1.25 times that for a clock slower than 1/8).
+STALL_LATE = TTL / 2
+# Local seconds per registry second of a reader's clock: a host whose clock runs slow or fast.
+READER_RATES = (0.1, 0.25, 1.0, 1.0, 4.0, 10.0)
 WAIT_TIMEOUT = 4.0  # the publisher's bound on waiting for a free slot (policy WAIT)
 POLL = 0.5
 # Fake time is a sum of floats: a wait begun at 10.999999999999998, or a 2 s copy taken in
@@ -592,6 +598,7 @@ class Reader:
     link: ReaderLink
     puller: Puller
     fault: str | None = None  # what its pulls since `World.arm` suffer
+    rate: float = 1.0  # its puller's clock: local seconds per second of the world's
     stalls: int = 0  # the world's stalls at `World.arm`
     applied: int = 0  # the newest version it pulled whole: they only go up
     task: asyncio.Task | None = None  # the state machine's pull in flight
@@ -668,8 +675,10 @@ class World:
     def transport(self, clock) -> Transport:
         return FakeTransport(clock=clock, fabric=self.fabric, offload=False)  # no threads: replayable
 
-    def reader(self, stream: bool = False) -> Reader:
-        """A new reader process; with `stream`, its pulls take STREAMING versions too."""
+    def reader(self, stream: bool = False, rate: float = 1.0) -> Reader:
+        """A new reader process; with `stream`, its pulls take STREAMING versions too. Its
+        puller's clock runs at `rate` local seconds per second of the world's (the
+        registry's and the transports'); its process clock keeps the world's time."""
         name = f"reader-{next(self._names)}"
         clock = ProcessClock(self.clock)
         transport = SteppedTransport(self.transport(clock), clock)
@@ -682,9 +691,9 @@ class World:
             verify_digests=False,
             stall_timeout=STALL,
             stream=stream,
-            clock=clock,
+            clock=clock if rate == 1.0 else ScaledClock(clock, rate),
         )
-        return Reader(name, clock, transport, link, puller)
+        return Reader(name, clock, transport, link, puller, rate=rate)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -799,7 +808,9 @@ class World:
                 f"{reader.name}: handed on a pull that was lapsed={lapsed} failed={failed} torn={torn}"
             )
             # A frozen process, or time jumping, lets its reads land before its watchdog runs.
-            assert stalled or idle <= STALL + EPS, f"{reader.name}: no read landed for {idle} s, yet the pull went on"
+            assert stalled or idle <= STALL + STALL_LATE + EPS, (
+                f"{reader.name}: no read landed for {idle} s, yet the pull went on (its clock at x{reader.rate:g})"
+            )
             assert outcome.version == record.lease.version
             assert run.tensors == self.model.contents[outcome.version], (
                 f"{reader.name}: the copy of v{outcome.version} is not its bytes"
@@ -836,7 +847,9 @@ class World:
             )
         elif isinstance(outcome, NoProgressError):
             note("pull: no progress")
-            assert idle >= STALL - EPS, f"{reader.name}: {outcome!r}, though reads landed at most {idle} s apart"
+            assert idle >= STALL - EPS, (
+                f"{reader.name}: {outcome!r}, though reads landed at most {idle} s apart (its clock at x{reader.rate:g})"
+            )
         elif failed:
             note("pull: failed read")
             assert isinstance(outcome, TransportError) and "injected" in str(outcome), f"{reader.name}: {outcome!r}"

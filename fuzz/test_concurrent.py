@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from weightpull import NoReadyVersionError, Publisher, TornReadError, VersionWaitTimeoutError, WhenFull
 
-from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, TTL, Hang, World, autojump, note
+from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, READER_RATES, TTL, Hang, World, autojump, note
 from .profiles import example, fuzz
 
 LIMIT = 1000.0  # fake seconds: a run still going by then waits forever
@@ -84,6 +84,8 @@ class Scenario:
     trainer_streams: tuple[bool, ...] = ()
     reader_streams: tuple[bool, ...] = ()
     borrows: tuple[Borrow, ...] = ()  # one process's `Puller.borrow` blocks
+    # Each reader's clock, local seconds per registry second, by index; those left out run at 1.
+    reader_rates: tuple[float, ...] = ()
 
 
 publishes = st.builds(
@@ -128,6 +130,7 @@ scenarios = st.builds(
         st.builds(Borrow, half_seconds, half_seconds.map(lambda s: 2 * s), st.none() | pauses, st.booleans()),
         max_size=4,
     ).map(tuple),
+    st.lists(st.sampled_from(READER_RATES), min_size=3, max_size=3).map(tuple),
 )
 
 
@@ -144,8 +147,10 @@ async def trainer(
         await world.check(publishing=len(world.publishers) > 1)
 
 
-async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...], stream: bool = False) -> None:
-    process = world.reader(stream)
+async def reader(
+    world: World, bandwidth: float | None, program: tuple[Pull, ...], stream: bool = False, rate: float = 1.0
+) -> None:
+    process = world.reader(stream, rate)
     for step in program:
         await world.clock.sleep(step.pause)
         world.arm(process, step.fault, bandwidth)
@@ -169,7 +174,7 @@ async def reader(world: World, bandwidth: float | None, program: tuple[Pull, ...
             world.check_pull(process, run)
         if process.link.dead:  # a new process takes its place
             await process.transport.aclose()
-            process = world.reader(stream)
+            process = world.reader(stream, rate)
         process.clock.thaw()
         await world.check(publishing=True)
 
@@ -276,7 +281,8 @@ async def play(scenario: Scenario) -> None:
                 tg.start_soon(trainer, world, publisher, copy_seconds, program, stream)
             for i, (bandwidth, program) in enumerate(scenario.readers):
                 stream = i < len(scenario.reader_streams) and scenario.reader_streams[i]
-                tg.start_soon(reader, world, bandwidth, program, stream)
+                rate = scenario.reader_rates[i] if i < len(scenario.reader_rates) else 1.0
+                tg.start_soon(reader, world, bandwidth, program, stream, rate)
             tg.start_soon(hoarder, world, scenario.hoarder)
             tg.start_soon(waiter, world, scenario.waiter)
             tg.start_soon(borrower, world, scenario.borrows)

@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 
 from weightpull import InvalidTransitionError, LeaseExpiredError, LeaseNotFoundError, NoReadyVersionError, WhenFull
 
-from .harness import FAULTS, LAYOUTS, POLL, TTL, WAIT_TIMEOUT, Loop, Reader, World
+from .harness import FAULTS, LAYOUTS, POLL, READER_RATES, TTL, WAIT_TIMEOUT, Loop, Reader, World
 from .profiles import example, fuzz
 
 # Time in half seconds, so that leases often run out exactly on a renewal or a poll.
@@ -45,12 +45,17 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.loop: Loop | None = None
         self.readers: list[Reader] = []
 
-    @initialize(num_slots=st.integers(2, 3), readers=st.integers(1, 3))
-    def start(self, num_slots: int, readers: int) -> None:
+    @initialize(
+        num_slots=st.integers(2, 3),
+        readers=st.integers(1, 3),
+        rates=st.lists(st.sampled_from(READER_RATES), min_size=3, max_size=3),
+    )
+    def start(self, num_slots: int, readers: int, rates: list[float] | None = None) -> None:
+        """Each reader's clock runs at a rate of its own against the registry's (1: as fast)."""
         example()
         self.world = World(num_slots)
         self.loop = Loop(self.world.clock)
-        self.readers = [self.world.reader() for _ in range(readers)]
+        self.readers = [self.world.reader(rate=rate) for rate in (rates or [1.0] * readers)[:readers]]
         self.by_hand = self.world.link("by-hand")  # the reader principal by-hand
         self.loop.run(self.world.publish, "base", WhenFull.FAIL)  # a version to read from the start
 
@@ -139,7 +144,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.now(reader.scope.cancel)
         assert reader.task.result().outcome is None
         self.loop.run(reader.transport.aclose)
-        self.readers[self.readers.index(reader)] = self.world.reader()
+        self.readers[self.readers.index(reader)] = self.world.reader(rate=reader.rate)
         self.collect()
 
     # -- leases by hand --------------------------------------------------------------------

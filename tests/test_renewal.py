@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from weightpull import FakeClock, InProcessRegistry, Lease, Publisher, Puller, TornReadError
-from weightpull.clock import Clock, MonotonicClock
+from weightpull.clock import MonotonicClock, ScaledClock
 from weightpull.drivers.fake import FakeFabric, FakeFaults, FakeTransport
 
 from .conftest import autojump, host_tensors
@@ -22,20 +22,6 @@ pytestmark = pytest.mark.anyio
 
 RATES = (0.25, 0.5, 2.0, 4.0)
 EPS = 1e-6
-
-
-class ScaledClock:
-    """A local clock that runs at `rate` seconds per second of `base` (which keeps the
-    true time: the registry's, and the transport's)."""
-
-    def __init__(self, base: Clock, rate: float) -> None:
-        self.base, self.rate = base, rate
-
-    def now(self) -> float:
-        return self.base.now() * self.rate
-
-    async def sleep(self, seconds: float) -> None:
-        await self.base.sleep(seconds / self.rate)
 
 
 class Witness(InProcessRegistry):
