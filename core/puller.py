@@ -1009,7 +1009,7 @@ class Puller:
         except NoSourceError as exc:
             raise PeerGoneError(f"{self.holder}: {exc}") from exc
         except VersionStateError as exc:
-            raise TornReadError(f"{self.holder}: v{manifest.version} {exc}; the copy was rejected") from exc
+            raise TornReadError(f"{self.holder}: {exc}; the copy was rejected") from exc
 
     async def _until_ready(self, manifest: Manifest, source: str | None = None) -> None:
         """Return once the version is READY; a stream that ends otherwise is torn."""

@@ -41,6 +41,9 @@ class VersionInfo(schema.Record):
     live_leases: int
     reason: str = ""
     committed: int | None = None  # of a STREAMING version: buckets committed so far
+    # Of a sharded version: (publisher, slot) of every shard begun, the first being
+    # `publisher` and `slot` above; empty for a version one publisher writes.
+    slots: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen
@@ -76,6 +79,7 @@ class LeaseInfo(schema.Record):
     version: int
     holder: str
     expires_in: float
+    source: str = ""  # the relay it reads from ("": the version's own slot)
 
 
 @attrs.frozen
@@ -105,8 +109,9 @@ class RegistryStatus(schema.Record):
 
 
 # `alive` is sent only when the registry judges liveness, `offers` only when a relay
-# offers, `committed` only for a streaming version and a progress's `source` only for a
-# relay's copy: records without them read as ever.
+# offers, `committed` only for a streaming version, `slots` only for a sharded one, and a
+# progress's or a lease's `source` only for a relay's copy: records without them read as
+# ever, and older peers never see them.
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is RegistryStatus,
     lambda t: make_dict_unstructure_fn(
@@ -125,5 +130,11 @@ schema.converter.register_unstructure_hook_factory(
 )
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is VersionInfo,
-    lambda t: make_dict_unstructure_fn(t, schema.converter, committed=override(omit_if_default=True)),
+    lambda t: make_dict_unstructure_fn(
+        t, schema.converter, committed=override(omit_if_default=True), slots=override(omit_if_default=True)
+    ),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is LeaseInfo,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, source=override(omit_if_default=True)),
 )

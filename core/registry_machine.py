@@ -704,9 +704,10 @@ class RegistryMachine:
                     live_leases=len(live),
                     reason=record.reason,
                     committed=record.committed if record.state is VersionState.STREAMING else None,
+                    slots=tuple(record.slots()) if record.shards is not None else (),
                 )
             )
-            leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now) for x in live]
+            leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now, x.source) for x in live]
         serving = dict(self._serving)
         alive = {name: expires - now for name, expires in sorted(self._alive.items())}
         self._sync_relays()

@@ -554,7 +554,7 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
         ]
         for v in status.versions
     ]
-    leases = [[x.holder, f"v{x.version}", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
+    leases = [[x.holder, f"v{x.version}", x.source or "slot", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
     serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
     newest = {v.publisher: v for v in sorted(status.versions, key=lambda v: v.version)}
     alive = status.alive
@@ -574,7 +574,7 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
     return [
         ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE", "ALIVE"], publishers),
         ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
-        ("leases", ["HOLDER", "VERSION", "EXPIRES IN", "LEASE"], leases),
+        ("leases", ["HOLDER", "VERSION", "SOURCE", "EXPIRES IN", "LEASE"], leases),
         ("serving", ["REPLICA", "VERSION"], serving),
         ("relays", ["VERSION", "RELAY", "HOST", "BUCKETS HELD", "LEASES/CAP"], relays),
         ("liveness", ["PRINCIPAL", "ALIVE FOR"], principals),
@@ -621,14 +621,19 @@ def _status(args: argparse.Namespace) -> int:
         return _status_watch(args, address, read)
 
     def show(status: Any, run: str) -> None:
-        print(
-            json.dumps({"registry": address, "run": run, **status.to_dict()})
-            if args.json
-            else _status_text(address, run, status)
-        )
+        print(json.dumps(_status_json(address, run, status)) if args.json else _status_text(address, run, status))
 
     anyio.run(read, show)
     return 0
+
+
+def _status_json(address: str, run: str, status: Any) -> dict[str, Any]:
+    """The status as one JSON object: the registry's record, each lease naming its source
+    ("" for the version's own slot, else the relay it reads from)."""
+    out = {"registry": address, "run": run, **status.to_dict()}
+    for lease, info in zip(out["leases"], status.leases, strict=True):
+        lease["source"] = info.source
+    return out
 
 
 def _status_text(address: str, run: str, status: Any) -> str:

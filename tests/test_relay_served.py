@@ -1,9 +1,12 @@
 """Relays through a real served registry, with keys: a relay client offers its mirror, a
 reader client is handed it over the wire and reads it (fake transport for the bytes)."""
 
+import json
+
+import anyio
 import pytest
 
-from tests.served import ServedRegistry, make_keys
+from tests.served import ServedRegistry, cli, make_keys
 from weightpull import PermissionDeniedError, Publisher, Puller
 from weightpull.drivers.fake import FakeTransport
 from weightpull.registry import connect_registry
@@ -22,6 +25,23 @@ def served(tmp_path):
     served.stop()
 
 
+def status_json(served) -> dict:
+    key = served.key("reader")
+    done = cli(
+        "status",
+        "--registry",
+        served.address,
+        "--key",
+        str(key["key"]),
+        "--server-key",
+        str(key["server_key"]),
+        "--json",
+        secret=None,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 async def test_a_reader_is_handed_a_relay_over_the_wire(served):
     trainer = connect_registry(served.address, **served.key("trainer"))
     relay_reg = connect_registry(served.address, **served.key("relay"))
@@ -37,6 +57,12 @@ async def test_a_reader_is_handed_a_relay_over_the_wire(served):
         lease = await reader_reg.acquire(1, ttl=10.0, holder="reader", host="h1")
         assert lease.source == relay.holder and lease.descriptor
         assert await relay_reg.readers_at(1, relay.holder) == 1
+        slot_lease = await reader_reg.acquire(1, ttl=10.0, holder="reader/slot")  # no host: the slot
+        # `status --json` names each lease's source: the relay's holder name, "" for the slot.
+        shown = await anyio.to_thread.run_sync(status_json, served)
+        assert {x["id"]: x["source"] for x in shown["leases"]} == {lease.id: relay.holder, slot_lease.id: ""}
+        assert (await reader_reg.status()).leases[0].source in (relay.holder, "")
+        await reader_reg.release(slot_lease)
         await reader_reg.release(lease)
         await publisher.transport.aclose()  # only the relay holds the bytes now
         pulled = await Puller(reader_reg, FakeTransport(), host="h1").pull()

@@ -265,6 +265,7 @@ async def test_a_stream_aborted_midway_leaves_every_reader_with_a_rejected_copy(
     assert isinstance(ended["publish_error"], PublishError)
     error = ended["pulled"]
     assert isinstance(error, TornReadError) and "ABORTED" in str(error) and "device fell off" in str(error)
+    assert ": version 1 is ABORTED" in str(error) and "v1 version" not in str(error)  # the version named once
     assert puller.mirror_version is None
     assert (await world.registry.progress(1)).state is VersionState.ABORTED
 
