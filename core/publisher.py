@@ -306,7 +306,7 @@ class Publisher:
         # A mapping is checked whole before anything is asked of the registry (bad input:
         # InvalidArgumentError, nothing recorded); an iterator is read once begun.
         prepared = self._prepare(tensors, shard) if isinstance(tensors, Mapping) else None
-        if not self._adopted and shard is None:
+        if not self._adopted:
             await self._adopt()
         try:
             slot = await self._take_slot(asked)
@@ -492,9 +492,12 @@ class Publisher:
 
     async def _adopt(self) -> None:
         """Before the first publish, take over what the registry still records in this
-        publisher's slots: a process restarted under the same name finds its earlier
-        versions there, and must reclaim (or, if it was left WRITING, abort) each before
-        it writes that slot again."""
+        publisher's slots: a process restarted under the same name (before its liveness
+        lapsed, or after, while leases kept its versions) finds its earlier versions
+        there, a sharded one in a slot of each shard's publisher (`VersionInfo.slots`),
+        and must reclaim each before it writes that slot again. Their memory died with the
+        process that wrote them, so one it left being written can never be finished: it
+        is aborted now, which frees its slots here and its siblings' everywhere."""
         self._adopted = True
         try:
             status = await self.registry.status()
@@ -502,17 +505,19 @@ class Publisher:
             log.warning("%s: could not read the registry's status: %s", self.name, exc)
             return
         for info in status.versions:
-            if info.publisher != self.name:
+            held = [s for p, s in info.slots or ((info.publisher, info.slot),) if p == self.name]
+            if not held:
                 continue
             if info.state.being_written:
                 await self._abort(info.version, f"{self.name} restarted while writing it", {})
-            if not 0 <= info.slot < len(self.slots):
-                continue
-            slot = self.slots[info.slot]
-            if slot.state is not SlotState.FREE or slot.version is not None:
-                continue
-            slot.version = info.version
-            log.info("%s: slot %d still holds v%d (%s) from before", self.name, info.slot, info.version, info.state)
+            for index in held:
+                if not 0 <= index < len(self.slots):
+                    continue
+                slot = self.slots[index]
+                if slot.state is not SlotState.FREE or slot.version is not None:
+                    continue
+                slot.version = info.version
+                log.info("%s: slot %d still holds v%d (%s) from before", self.name, index, info.version, info.state)
 
     async def _abort(self, version: int, reason: str, tag: dict[str, Any]) -> None:
         with anyio.CancelScope(shield=True):
@@ -544,7 +549,7 @@ class Publisher:
         The slots are then registered with the registry (a `Reservation`), so that
         replicas map them and size their mirrors before the first version
         (`Puller.prepare`)."""
-        if not self._adopted and shard is None:  # the registry's status read now, not in the first publish
+        if not self._adopted:  # the registry's status read now, not in the first publish
             await self._adopt()
         if isinstance(tensors, int):
             nbytes = version_bytes = tensors
