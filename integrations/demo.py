@@ -33,6 +33,7 @@ import attrs
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError, TornReadError, WeightpullError
+from weightpull.integrations.processes import Children, die_with_parent
 from weightpull.publisher import Publisher
 from weightpull.puller import Pulled, Puller
 from weightpull.registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
@@ -232,7 +233,7 @@ async def _process(
 ) -> ReplicaReport:
     """Run replica `index` as `weightpull demo --replica SPEC`; started once it is ready.
     Its stdin is its lifeline: closed (by us, or by our death), the replica stops."""
-    spec = json.dumps({"index": index, "t0": say.t0, "config": attrs.asdict(cfg)})
+    spec = json.dumps({"index": index, "t0": say.t0, "config": attrs.asdict(cfg), "parent": os.getpid()})
     command = [sys.executable, "-m", "weightpull", "demo", "--replica", spec]
     # A session of its own, so Ctrl-C reaches the trainer alone, which stops the replicas.
     async with await anyio.open_process(command, stderr=None, env=env, start_new_session=True) as proc:
@@ -261,6 +262,7 @@ def _ended(code: int) -> str:
 def replica_main(spec: str) -> int:
     """`weightpull demo --replica SPEC`: one replica process, started by the trainer."""
     s = json.loads(spec)
+    die_with_parent(s.get("parent"))  # even a trainer killed outright takes us with it
     out = os.fdopen(os.dup(1), "w", buffering=1)  # our lines to the trainer: ready, the report
     os.dup2(2, 1)  # what libraries print goes to stderr, never into those lines
     anyio.run(_replica_process, DemoConfig(**s["config"]), s["index"], s["t0"], out)
@@ -353,22 +355,24 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
             reports.append(await _process(replica_cfg, index, env, say, task_status=task_status))
 
     try:
-        async with anyio.create_task_group() as tg:
-            address = await tg.start(server.serve) if server else cfg.registry or os.environ.get(REGISTRY_ENV)
-            replica_cfg = attrs.evolve(cfg, registry=address)
-            tg.start_soon(publisher.serve)  # the replicas' reads over nixl need the owner's progress
-            if not in_process:
-                say(
-                    "trainer",
-                    f"process {os.getpid()}, registry on {address}; starting {cfg.replicas} replica processes",
-                )
-                _warm(publisher.transport)  # while they start, not inside the first publish
-            async with anyio.create_task_group() as work:
-                async with anyio.create_task_group() as starting:  # all wait for v1 before it is published
-                    for i in range(cfg.replicas):
-                        starting.start_soon(work.start, replica, i)
-                work.start_soon(trainer)
-            tg.cancel_scope.cancel()  # the registry server and publisher.serve: no reader is left
+        # Every process started here is stopped on the way out, also on SIGINT or SIGTERM.
+        with Children():
+            async with anyio.create_task_group() as tg:
+                address = await tg.start(server.serve) if server else cfg.registry or os.environ.get(REGISTRY_ENV)
+                replica_cfg = attrs.evolve(cfg, registry=address)
+                tg.start_soon(publisher.serve)  # the replicas' reads over nixl need the owner's progress
+                if not in_process:
+                    say(
+                        "trainer",
+                        f"process {os.getpid()}, registry on {address}; starting {cfg.replicas} replica processes",
+                    )
+                    _warm(publisher.transport)  # while they start, not inside the first publish
+                async with anyio.create_task_group() as work:
+                    async with anyio.create_task_group() as starting:  # all wait for v1 before it is published
+                        for i in range(cfg.replicas):
+                            starting.start_soon(work.start, replica, i)
+                    work.start_soon(trainer)
+                tg.cancel_scope.cancel()  # the registry server and publisher.serve: no reader is left
     except* DemoError as group:  # the first, not a group: what failed is one replica
         error: BaseException = group
         while isinstance(error, BaseExceptionGroup):

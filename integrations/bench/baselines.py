@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from weightpull.integrations.processes import child_main, owns_children, parent_pid
+
 from .flow import STEP, make_tensors, sums, sync
 from .presets import PRESETS
 from .util import free_port, gbps, median_ms
@@ -156,6 +158,7 @@ def rank_main(*args: Any) -> None:
         raise
 
 
+@owns_children
 def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], None]) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
@@ -165,7 +168,11 @@ def run_baseline(kind: str, preset: str, updates: int, tick: Callable[[str], Non
     for rank, peer in ((0, a), (1, b)):  # a pipe each: two writers could interleave long messages
         out, child_out = ctx.Pipe(duplex=False)
         procs.append(
-            ctx.Process(target=rank_main, args=(rank, kind, preset, updates, port, peer, child_out), daemon=True)
+            ctx.Process(
+                target=child_main,
+                args=(parent_pid(), rank_main, rank, kind, preset, updates, port, peer, child_out),
+                daemon=True,
+            )
         )
         procs[-1].start()
         child_out.close()

@@ -15,8 +15,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from weightpull.integrations.processes import child_main, parent_pid
+
 
 def _main(target: Callable[..., None], conn: Any, *args: Any) -> None:
+    """The child's body (a process of its own, or a thread)."""
     try:
         target(conn, *args)
     except Exception as exc:  # the parent names it; a traceback here would break one-line errors
@@ -38,7 +41,9 @@ class Child:
             self.worker: Any = threading.Thread(target=_main, args=(target, child, *args), daemon=True)
             self.worker.start()
         else:
-            self.worker = ctx.Process(target=_main, args=(target, child, *args), daemon=True)
+            # Started from the main thread, it dies with this process, even one killed
+            # outright: its pipe alone would not end a child that never reads it.
+            self.worker = ctx.Process(target=child_main, args=(parent_pid(), _main, target, child, *args), daemon=True)
             self.worker.start()
             child.close()  # so that a child that dies reads as EOF here, not as a hang
 

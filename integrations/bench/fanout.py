@@ -50,6 +50,7 @@ import attrs
 
 from weightpull.digests import KINDS
 from weightpull.errors import InvalidArgumentError
+from weightpull.integrations.processes import Children
 
 from .hosts import ENV, Hosts
 
@@ -269,13 +270,13 @@ class _Proc:
     """One process inside a host, spoken to by JSON lines (read from its raw pipe, so that
     a selector sees every line)."""
 
-    def __init__(self, hosts: Hosts, host: int, role: str, cfg: dict[str, Any]) -> None:
+    def __init__(self, children: Children, hosts: Hosts, host: int, role: str, cfg: dict[str, Any]) -> None:
         import subprocess
 
         argv = [sys.executable, "-m", __name__, role, json.dumps(cfg)]
         env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
         self.what = f"the {role} on host {host}"
-        self.proc = subprocess.Popen(hosts.command(host, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = children.popen(hosts.command(host, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
         self.buffer = b""
@@ -328,7 +329,9 @@ class _Registry:
     on the control network; each process gets a key of its own (`client(name)`).
     `origin_cap`: the most readers of the trainer's slot at once (`--origin-cap`)."""
 
-    def __init__(self, hosts: Hosts, workdir: Path, names: Sequence[str], origin_cap: int | None = None) -> None:
+    def __init__(
+        self, children: Children, hosts: Hosts, workdir: Path, names: Sequence[str], origin_cap: int | None = None
+    ) -> None:
         import select
         import subprocess
 
@@ -346,7 +349,7 @@ class _Registry:
             argv += ["--origin-cap", str(origin_cap)]
         self.log_path = workdir / "registry.log"
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(hosts.hub_command(argv), stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = children.popen(hosts.hub_command(argv), stdout=subprocess.PIPE, stderr=log, text=True)
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], _START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
@@ -496,24 +499,31 @@ def run_fanout(
     most = max(replicas)
     names = [f"replica{i + 1}" for i in range(most)]
     rows = []
-    with Hosts(most + 1, rate=rate, control=True) as hosts, tempfile.TemporaryDirectory(prefix="wpfan-") as work:
+    # Left in this order: every process in the hosts stopped (also on SIGINT or SIGTERM),
+    # then the hosts deleted.
+    with (
+        Hosts(most + 1, rate=rate, control=True) as hosts,
+        tempfile.TemporaryDirectory(prefix="wpfan-") as work,
+        Children() as children,
+    ):
         say(
             f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0, "
             "the registry on the control network"
         )
         # with relays the trainer's slot takes `cap` readers at once, as every relay does
-        registry = _Registry(hosts, Path(work), names, origin_cap=cap if relays else None)
+        registry = _Registry(children, hosts, Path(work), names, origin_cap=cap if relays else None)
         procs: list[_Proc] = []
         trainer: _Proc | None = None
         try:
             config = {"size": size, "bucket": bucket, "digest": digest, "progress_s": progress_s}
-            trainer = _Proc(hosts, 0, "trainer", {**config, **registry.client("trainer")})
+            trainer = _Proc(children, hosts, 0, "trainer", {**config, **registry.client("trainer")})
             want = trainer.expect("ready")["digest"]
             for step, n in enumerate(replicas, 1):
                 trainer.send(publish=step)  # a version per step: the last step's relays offer theirs
                 trainer.expect("published")
                 procs = [
                     _Proc(
+                        children,
                         hosts,
                         1 + i,
                         "replica",

@@ -34,6 +34,7 @@ import anyio
 import torch
 
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, create_transport
+from weightpull.integrations.processes import owns_children
 from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.integrations.torch_tensors import fingerprints as checksums  # exact on any device
 from weightpull.layout import Layout
@@ -285,6 +286,7 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
     return result
 
 
+@owns_children
 async def run(repeat: int, bucket_sizes: list[int], say: Callable[[str], None]) -> dict[str, Any]:
     shapes = qwen3_8b_shapes()
     say(

@@ -17,6 +17,7 @@ import anyio
 import attrs
 import torch
 
+from weightpull.integrations.processes import owns_children
 from weightpull.transport import Transport
 from weightpull.transports import list_transports, transport_class
 
@@ -54,6 +55,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+@owns_children
 async def run(
     preset: str | None = None,
     transports: Iterable[str] | None = None,

@@ -23,6 +23,7 @@ import anyio
 import attrs
 
 from weightpull.errors import InvalidArgumentError
+from weightpull.integrations.processes import owns_children
 from weightpull.layout import DEFAULT_BUCKET_BYTES
 from weightpull.manifest import Manifest
 from weightpull.publisher import Publisher
@@ -149,6 +150,7 @@ async def to_device_seconds(staged: Any, pulled: Pulled) -> float:
     return time.perf_counter() - start
 
 
+@owns_children
 async def run_bench(cfg: BenchConfig, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     cfg.check()
     transport_class(cfg.transport)  # fails early, naming the missing extra

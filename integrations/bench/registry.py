@@ -25,6 +25,7 @@ from weightpull.drivers.zmq_registry.client import ZmqRegistry
 from weightpull.drivers.zmq_registry.keys import KEY_ENV, SERVER_KEY_ENV
 from weightpull.drivers.zmq_registry.wire import SECRET_ENV
 from weightpull.errors import NoReadyVersionError, RegistryError
+from weightpull.integrations.processes import Children
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.manifest import Manifest
 
@@ -118,8 +119,8 @@ def own_server() -> Iterator[tuple[str, bytes]]:
     ]
     # Its log (the --insecure-dev warning, each refusal) goes to a file, shown if it fails to
     # start: a pipe nobody reads could fill and stall it.
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    with tempfile.TemporaryFile("w+") as log, Children() as children:  # it ends with the bench, even a killed one
+        proc = children.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline()  # its ready line, or its error, as JSON

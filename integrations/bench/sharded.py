@@ -32,6 +32,7 @@ import anyio
 import torch
 
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, Sharding, create_transport
+from weightpull.integrations.processes import owns_children
 from weightpull.integrations.torch_tensors import as_tensors
 from weightpull.layout import TensorSpec
 from weightpull.sharding import chunk_rows
@@ -219,6 +220,7 @@ def _rank_main(conn: Any, cfg: dict[str, Any]) -> None:
 # -- the run ----------------------------------------------------------------------------------
 
 
+@owns_children
 def run(
     preset: str, transport: str, shards: int, ranks: int, repeat: int, say: Callable[[str], None]
 ) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from weightpull.agent import PauseMode
 from weightpull.dispatcher import Dispatcher, Prompt
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError
 from weightpull.integrations.demo import Progress
+from weightpull.integrations.processes import Children
 from weightpull.publisher import Publisher
 from weightpull.registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
 from weightpull.staleness import Group, StalenessClock, Trajectory
@@ -97,7 +98,9 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
 
     say = Progress(stream)
     state = _Run()
-    with tempfile.TemporaryDirectory(prefix="weightpull-vllm-demo-") as path:
+    # Every process started here (vLLM's engines) is stopped on the way out, also on SIGINT
+    # or SIGTERM: a SIGTERM unwinds as Ctrl-C does, so the engines shut down in order.
+    with tempfile.TemporaryDirectory(prefix="weightpull-vllm-demo-") as path, Children():
         model = make_tiny_llama(path)
         base = {k: v.clone() for k, v in model.state_dict().items()}
         nbytes = sum(v.numel() * v.element_size() for v in base.values())
