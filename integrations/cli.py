@@ -130,6 +130,13 @@ def _demo(args: argparse.Namespace) -> int:
         return replica_main(args.replica)
     if args.trainer == "fsdp" and args.engine != "vllm":
         raise UsageError("--trainer fsdp runs the loop with vLLM replicas: add --engine vllm")
+    if args.kill_at is not None and args.trainer != "fsdp":
+        raise UsageError("--kill-at chooses when the loop's trainer is SIGKILLed: add --engine vllm --trainer fsdp")
+    if args.kill_at is not None and args.kill_at >= args.steps:
+        raise UsageError(
+            f"--kill-at {args.kill_at} is not below --steps {args.steps}: the trainer must have steps left "
+            "to resume for (pass a smaller --kill-at or a larger --steps)"
+        )
     if args.engine == "vllm":
         return _demo_vllm(args)
     from weightpull.integrations.demo import DemoConfig, default_transport, run_demo
@@ -178,7 +185,7 @@ def _demo_loop(args: argparse.Namespace) -> int:
     from weightpull.integrations.loop.demo import run
     from weightpull.integrations.loop.settings import LoopConfig
 
-    summary = run(LoopConfig(steps=args.steps, replicas=args.replicas))
+    summary = run(LoopConfig(steps=args.steps, replicas=args.replicas, kill_at=args.kill_at))
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] else 1
@@ -946,13 +953,20 @@ def parser() -> argparse.ArgumentParser:
         default="none",
         help="with --engine vllm, fsdp: the decoupled RL loop, every part its own process: a two-rank FSDP2 "
         "trainer learning a task, the replicas, the served registry and a prompt ledger; the trainer is "
-        "SIGKILLed at a random step and resumed (docs/loop.md) (default: none)",
+        "SIGKILLed at a random step (or --kill-at) and resumed (docs/loop.md) (default: none)",
     )
     demo.add_argument(
         "--steps",
         type=_count(4),
         default=24,
         help="with --trainer fsdp: training steps, across the restart, at least 4 (default: 24)",
+    )
+    demo.add_argument(
+        "--kill-at",
+        type=_count(1),
+        metavar="STEP",
+        help="with --trainer fsdp: SIGKILL the trainer after this step, 1 to --steps - 1, and resume it "
+        "(default: a random step)",
     )
     demo.add_argument(
         "--size-mib", type=_count(1), default=256, help="MiB published per version, after the bf16 cast (default: 256)"

@@ -22,6 +22,7 @@ from .reaper import Job, below
 
 pytestmark = pytest.mark.slow
 NIXL_DEMO = ("demo", "--transport", "nixl", "--size-mib", "16", "--versions", "4")
+LOOP_DEMO = ("demo", "--engine", "vllm", "--trainer", "fsdp")
 VLLM_DEMO = ("demo", "--engine", "vllm", "--versions", "3")
 
 
@@ -32,6 +33,9 @@ def _serving(job: Job) -> bool:
 CASES = [
     # (the command, when to stop it, whom to send it to, the signal)
     pytest.param(NIXL_DEMO, "published v1", "group", signal.SIGTERM, id="nixl-demo-group-sigterm"),
+    # the registry and the rollout workers, each in a session of its own, vLLM importing
+    pytest.param(LOOP_DEMO, "starting 2 vLLM replicas", "group", signal.SIGTERM, id="loop-demo-group-sigterm"),
+    pytest.param(LOOP_DEMO, "starting 2 vLLM replicas", "group", signal.SIGINT, id="loop-demo-group-sigint"),
     # vLLM's engine processes, in the demo's own process group
     pytest.param(VLLM_DEMO, "engine up", "pid", signal.SIGTERM, id="vllm-demo-pid-sigterm"),
     pytest.param(("bench", "registry", "--seconds", "60"), _serving, "pid", signal.SIGTERM, id="bench-pid-sigterm"),

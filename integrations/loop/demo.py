@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from weightpull.errors import DriverUnavailableError, WeightpullError
 from weightpull.integrations.demo import Progress
+from weightpull.integrations.processes import Children
 from weightpull.ledger import Ledger, PromptState
 
 from . import task
@@ -91,9 +92,13 @@ def _records(paths: Paths) -> list[dict[str, Any]]:
 
 
 class _Trainer:
-    """The two ranks of one run of the trainer."""
+    """The two ranks of one run of the trainer, each in a session of its own: a terminal's
+    Ctrl-C reaches the demo alone, which stops them (`children`)."""
 
-    def __init__(self, cfg: LoopConfig, paths: Paths, address: str, run: int, env: dict[str, str]) -> None:
+    def __init__(
+        self, children: Children, cfg: LoopConfig, paths: Paths, address: str, run: int, env: dict[str, str]
+    ) -> None:
+        self.paths, self.run = paths, run
         port = _free_port()
         self.procs = []
         for rank in range(2):
@@ -111,7 +116,7 @@ class _Trainer:
                 "weightpull.integrations.loop.trainer",
                 spec(cfg, paths.root, address=address, run=run),
             ]
-            self.procs.append(subprocess.Popen(command, env=rank_env, start_new_session=True))
+            self.procs.append(children.popen(command, env=rank_env, start_new_session=True))
 
     def kill(self) -> None:
         for p in self.procs:
@@ -120,20 +125,41 @@ class _Trainer:
         for p in self.procs:
             p.wait()
 
+    def check(self) -> None:
+        """A `LoopDemoError` naming the first rank that failed, and why (the other rank,
+        waiting on it in a collective, is killed); nothing while both run or succeeded."""
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code not in (None, 0):
+                self.kill()
+                why = self.paths.failure(self.run, rank)
+                reason = why.read_text().strip() if why.exists() else _ended(code)
+                raise LoopDemoError(f"trainer rank {rank} (run {self.run}, pid {p.pid}) failed: {reason}")
+
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for rank, p in enumerate(self.procs):
-            try:
-                code = p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while self.running():
+            self.check()
+            if time.monotonic() > deadline:
                 self.kill()
-                raise LoopDemoError(f"trainer rank {rank} did not finish within {timeout:.0f} s") from None
-            if code != 0:
-                self.kill()
-                raise LoopDemoError(f"trainer rank {rank} (pid {p.pid}) exited with code {code}")
+                raise LoopDemoError(f"the trainer (run {self.run}) did not finish within {timeout:.0f} s")
+            time.sleep(0.05)
+        self.check()
 
     def running(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        return any(p.poll() is None for p in self.procs)
+
+
+def _ended(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _watch(procs: list[tuple[str, subprocess.Popen[str]]]) -> None:
+    """A `LoopDemoError` if the registry or a rollout worker has exited: the trainer would
+    only find out after its health check's timeout."""
+    for what, proc in procs:
+        if proc.poll() is not None:
+            raise LoopDemoError(f"{what} (pid {proc.pid}) {_ended(proc.returncode)} while the trainer ran")
 
 
 def run(cfg: LoopConfig, stream: TextIO = sys.stderr, root: str | Path | None = None) -> dict[str, Any]:
@@ -164,106 +190,123 @@ def _run(cfg: LoopConfig, root: Path, say: Progress) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
     trainers: list[_Trainer] = []  # killed on the way out, whatever happened
     started = time.monotonic()
-    try:
-        registry = subprocess.Popen(
-            _cli(
-                "registry",
-                "serve",
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--keys",
-                str(paths.keys),
-                "--server-key",
-                str(paths.keys / "registry.key_secret"),
-                "--liveness-ttl",
-                "5",
-                "--json",
-            ),
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        procs.append(registry)
-        address = json.loads(_line(registry, "the registry", 60))["listening"]
-        say("registry", f"serving on {address} (pid {registry.pid}), CURVE keys in {paths.keys}")
-        for i in range(cfg.replicas):
-            command = [
-                sys.executable,
-                "-m",
-                "weightpull.integrations.loop.rollout",
-                spec(cfg, root, index=i, address=address),
-            ]
-            procs.append(
-                subprocess.Popen(
-                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
-                )
+    finished = False
+    # Every process started here is stopped on the way out, also on SIGINT or SIGTERM.
+    with Children() as children:
+        try:
+            registry = children.popen(
+                _cli(
+                    "registry",
+                    "serve",
+                    "--bind",
+                    "tcp://127.0.0.1:0",
+                    "--keys",
+                    str(paths.keys),
+                    "--server-key",
+                    str(paths.keys / "registry.key_secret"),
+                    "--liveness-ttl",
+                    "5",
+                    "--json",
+                ),
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
             )
-        say("demo", f"starting {cfg.replicas} vLLM replicas (a process each, with its update agent)")
-        for i, proc in enumerate(procs[1:]):
-            if (said := _line(proc, f"replica-{i}", READY_TIMEOUT_S)) != "ready":
-                raise LoopDemoError(f"replica-{i} said {said!r} instead of ready")
-            say(f"replica-{i}", f"engine up in process {proc.pid}, pausing in abort mode")
-        trainer_env = {
-            **env,
-            "WEIGHTPULL_KEY": str(paths.keys / "trainer.key_secret"),
-            "WEIGHTPULL_SERVER_KEY": server_key,
-        }
-        say("trainer", f"two FSDP2 ranks (gloo, CPU); SIGKILL after step {kill_at}")
-        first = _Trainer(cfg, paths, address, 1, trainer_env)
-        trainers.append(first)
-        seen = 0
-        deadline = time.monotonic() + TRAIN_TIMEOUT_S
-        while True:
-            steps = [r for r in _records(paths) if r["event"] == "step"]
-            for r in steps[seen:]:
-                say("trainer", _step_line(r))
-            seen = len(steps)
-            if steps and steps[-1]["step"] >= kill_at:
-                break
-            if not first.running():
-                first.wait(1)
-                raise LoopDemoError(f"the trainer ended before step {kill_at}")
-            if time.monotonic() > deadline:
-                first.kill()
-                raise LoopDemoError(f"the trainer did not reach step {kill_at} within {TRAIN_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-        time.sleep(random.Random().uniform(0.0, 0.3))  # somewhere inside the next step
-        first.kill()
-        say("trainer", f"SIGKILLed both ranks after step {kill_at}; restarting from the checkpoint")
-        second = _Trainer(cfg, paths, address, 2, trainer_env)
-        trainers.append(second)
-        seen_total = len(_records(paths))
-        while second.running():
-            records = _records(paths)
-            for r in records[seen_total:]:
+            procs.append(registry)
+            address = json.loads(_line(registry, "the registry", 60))["listening"]
+            say("registry", f"serving on {address} (pid {registry.pid}), CURVE keys in {paths.keys}")
+            for i in range(cfg.replicas):
+                command = [
+                    sys.executable,
+                    "-m",
+                    "weightpull.integrations.loop.rollout",
+                    spec(cfg, root, index=i, address=address),
+                ]
+                procs.append(
+                    children.popen(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+            say("demo", f"starting {cfg.replicas} vLLM replicas (a process each, with its update agent)")
+            for i, proc in enumerate(procs[1:]):
+                if (said := _line(proc, f"replica-{i}", READY_TIMEOUT_S)) != "ready":
+                    raise LoopDemoError(f"replica-{i} said {said!r} instead of ready")
+                say(f"replica-{i}", f"engine up in process {proc.pid}, pausing in abort mode")
+            watched = [("the registry", registry)] + [(f"replica-{i}", p) for i, p in enumerate(procs[1:])]
+            trainer_env = {
+                **env,
+                "WEIGHTPULL_KEY": str(paths.keys / "trainer.key_secret"),
+                "WEIGHTPULL_SERVER_KEY": server_key,
+            }
+            say("trainer", f"two FSDP2 ranks (gloo, CPU); SIGKILL after step {kill_at}")
+            first = _Trainer(children, cfg, paths, address, 1, trainer_env)
+            trainers.append(first)
+            seen = 0
+            deadline = time.monotonic() + TRAIN_TIMEOUT_S
+            while True:
+                steps = [r for r in _records(paths) if r["event"] == "step"]
+                for r in steps[seen:]:
+                    say("trainer", _step_line(r))
+                seen = len(steps)
+                if steps and steps[-1]["step"] >= kill_at:
+                    break
+                first.check()
+                _watch(watched)
+                if not first.running():
+                    raise LoopDemoError(f"the trainer ended before step {kill_at}")
+                if time.monotonic() > deadline:
+                    first.kill()
+                    raise LoopDemoError(f"the trainer did not reach step {kill_at} within {TRAIN_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+            time.sleep(random.Random().uniform(0.0, 0.3))  # somewhere inside the next step
+            first.kill()
+            say("trainer", f"SIGKILLed both ranks after step {kill_at}; restarting from the checkpoint")
+            second = _Trainer(children, cfg, paths, address, 2, trainer_env)
+            trainers.append(second)
+            seen_total = len(_records(paths))
+            deadline += TRAIN_TIMEOUT_S
+            while second.running():
+                records = _records(paths)
+                for r in records[seen_total:]:
+                    say("trainer", _step_line(r) if r["event"] == "step" else json.dumps(r))
+                seen_total = len(records)
+                second.check()
+                _watch(watched)
+                if time.monotonic() > deadline:
+                    second.kill()
+                    raise LoopDemoError(f"the resumed trainer did not finish within {TRAIN_TIMEOUT_S:.0f} s")
+                time.sleep(0.1)
+            second.wait(30)
+            for r in _records(paths)[seen_total:]:
                 say("trainer", _step_line(r) if r["event"] == "step" else json.dumps(r))
-            seen_total = len(records)
-            if time.monotonic() > deadline + TRAIN_TIMEOUT_S:
-                break
-            time.sleep(0.1)
-        second.wait(30)
-        for r in _records(paths)[seen_total:]:
-            say("trainer", _step_line(r) if r["event"] == "step" else json.dumps(r))
-    finally:
-        for trainer in trainers:
-            if any(p.poll() is None for p in trainer.procs):
-                trainer.kill()
-        for proc in procs[1:]:
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()  # the lifeline: the rollout worker stops
-        for proc in procs[1:]:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for proc in procs[:1]:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            finished = True
+        finally:
+            for trainer in trainers:
+                if trainer.running():
+                    trainer.kill()
+            for proc in procs[1:]:
+                if proc.stdin is not None:
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()  # the lifeline: the rollout worker stops
+            # Done, each worker stops by itself, its last report written; failed or
+            # interrupted, nobody waits for one still starting: `children` stops them.
+            for proc in procs[1:] if finished else ():
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            for proc in procs[:1]:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     return summarize(cfg, paths, kill_at, time.monotonic() - started, say)
 
 

@@ -83,6 +83,10 @@ class Paths:
     def replica_report(self, name: str) -> Path:
         return self.root / f"{name}.json"
 
+    def failure(self, run: int, rank: int) -> Path:
+        """Where a trainer rank that failed says why, in one line."""
+        return self.root / f"trainer-run{run}-rank{rank}.failed"
+
 
 def spec(cfg: LoopConfig, root: Path, **extra: Any) -> str:
     return json.dumps({"config": attrs.asdict(cfg), "root": str(root), **extra})

@@ -16,6 +16,7 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the trainer's key.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -23,7 +24,7 @@ import random
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from weightpull.dispatcher import Prompt
-from weightpull.errors import VersionWaitTimeoutError
+from weightpull.errors import PublishError, VersionWaitTimeoutError
 from weightpull.health import Health, Producer
 from weightpull.ledger import Ledger
 from weightpull.replay import ReplayBuffer, Sampler
@@ -186,8 +187,45 @@ async def _registry_numbers(address: str) -> tuple[int, dict[str, int]]:
     return max((v.version for v in status.versions), default=-1), dict(status.serving)
 
 
-def main(spec: str) -> int:
+def _announced(ticket: Any, asked: int) -> int:
+    """The version every rank's publish of `asked` announced; else a `PublishError`
+    naming the first rank whose publish failed and why, raised on every rank (each waits
+    for all, so none goes on alone)."""
+    try:
+        result = ticket.result()
+        mine = None if result is None else result.version
+        why = "" if mine is not None else "its publish announced nothing"
+    except Exception as exc:  # the publish's error, whatever it is: the ranks must agree
+        mine, why = None, f"{type(exc).__name__}: {exc}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, why))
+    for r, (version, reason) in enumerate(everyone):
+        if version is None:
+            raise PublishError(f"rank {r}'s publish of v{asked} failed: {reason}")
+        if version != asked:
+            raise PublishError(f"rank {r} asked the registry for v{asked} and got v{version}")
+    return asked
+
+
+def main(spec: str) -> NoReturn:
+    """Run the trainer; on any failure, say why in one line (stderr, and the file the
+    demo reads: `Paths.failure`) and exit 1 at once. Waiting for the background loop's
+    thread or the process group's teardown could hang: the other rank may be dead."""
     s = json.loads(spec)
+    paths, run, rank = Paths(s["root"]), s["run"], int(os.environ.get("RANK", "0"))
+    try:
+        _main(s)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt end a rank too
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        with contextlib.suppress(OSError):
+            paths.failure(run, rank).write_text(reason)
+        sys.stderr.write(f"trainer rank {rank} (run {run}) failed: {reason}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)  # the process group's teardown is not needed
+
+
+def _main(s: dict[str, Any]) -> None:
     cfg, paths, address, run = LoopConfig(**s["config"]), Paths(s["root"]), s["address"], s["run"]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     from weightpull.integrations.fsdp import FSDPPublisher
@@ -224,9 +262,7 @@ def main(spec: str) -> int:
     publisher = FSDPPublisher(
         t.model, mode="sharded", registry=address, transport="nixl", rollout_dtype=None, name="trainer", num_slots=3
     )
-    publisher.publish(ask)
-    result = publisher.wait()
-    t.version = _broadcast(result.version if rank == 0 and result is not None else None, rank)
+    t.version = _announced(publisher.publish(ask), ask)
     staleness = StalenessClock(cfg.max_staleness, now=t.version)
     sampler = None
     if rank == 0:
@@ -296,11 +332,7 @@ def main(spec: str) -> int:
                     "publish_block_s": ticket.blocking_s,
                 },
             )
-        result = publisher.wait()  # announced in the background; checked before going on
-        got_version = _broadcast(result.version if rank == 0 and result is not None else None, rank)
-        if got_version != asked:
-            raise RuntimeError(f"asked the registry for v{asked}, got v{got_version}")
-        t.version = asked
+        t.version = _announced(ticket, asked)  # announced in the background; checked before going on
         staleness.advance(asked)
         t.save()
         if rank == 0:
@@ -315,7 +347,6 @@ def main(spec: str) -> int:
         _validate(cfg, paths, address, t, run)
     dist.barrier()
     publisher.close()
-    os._exit(0)  # the process group's teardown is not needed
 
 
 def _validate(cfg: LoopConfig, paths: Paths, address: str, t: Trainer, run: int) -> None:
@@ -360,4 +391,4 @@ def _validate(cfg: LoopConfig, paths: Paths, address: str, t: Trainer, run: int)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    main(sys.argv[1])
