@@ -132,7 +132,7 @@ def _ends_by_itself() -> set[int]:
 class Children:
     """Owns the processes a demo or bench starts (see the module's docstring)."""
 
-    def __init__(self, grace: float = 5.0, unwind_s: float = 30.0) -> None:
+    def __init__(self, grace: float = 5.0, unwind_s: float = 60.0) -> None:
         self.grace, self.unwind_s = grace, unwind_s
         self._procs: list[subprocess.Popen[Any]] = []
         self._before: set[int] = set()  # descendants that were there already: not ours
