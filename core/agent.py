@@ -33,6 +33,7 @@ from .errors import (
     VersionWaitTimeoutError,
     WeightpullError,
 )
+from .puller import check_line, line_args
 from .registry import Registry
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class UpdateAgent:
         max_apply_failures: int = 3,
         retry_delay: float = 0.1,
         clock: Clock | None = None,
+        publisher: str | None = None,
     ) -> None:
         if not isinstance(min_version_lag, int) or min_version_lag < 1:
             raise InvalidArgumentError(f"min_version_lag must be an int >= 1, got {min_version_lag!r}")
@@ -114,6 +116,7 @@ class UpdateAgent:
         self.name = name
         self.registry = registry
         self.engine = engine
+        self.publisher = check_line(publisher)  # the line followed (None: the registry's default line)
         self.min_version_lag = min_version_lag
         self.max_pull_attempts = max_pull_attempts
         self.max_apply_failures = max_apply_failures
@@ -194,7 +197,8 @@ class UpdateAgent:
         async with anyio.create_task_group() as tg:
 
             async def newest() -> None:
-                found.append((await self.registry.wait_for_version(self._target())).version)
+                manifest = await self.registry.wait_for_version(self._target(), **line_args(self.publisher))
+                found.append(manifest.version)
                 self.stats.newest_seen = max(found[-1], self.stats.newest_seen or found[-1])
                 tg.cancel_scope.cancel()
 

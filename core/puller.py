@@ -18,7 +18,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, NoReturn, Self, cast
+from typing import TYPE_CHECKING, NoReturn, Self, TypedDict, cast
 
 import anyio
 import attrs
@@ -275,6 +275,25 @@ def check_lease_settings(ttl: float, renew_every: float | None, stall_timeout: f
     return every
 
 
+def check_line(publisher: object) -> str | None:
+    """A reader's `publisher=`: the name of the principal whose line of versions it follows, or None."""
+    if publisher is not None and (not isinstance(publisher, str) or not publisher or "/" in publisher):
+        raise InvalidArgumentError(
+            f"publisher names the principal whose versions to follow (its name, as `keys new --name` gave it), "
+            f"got {publisher!r}"
+        )
+    return publisher
+
+
+class LineArgs(TypedDict, total=False):
+    publisher: str
+
+
+def line_args(publisher: str | None) -> LineArgs:
+    """`publisher=` as a registry call takes it: only when a line is named."""
+    return {} if publisher is None else {"publisher": publisher}
+
+
 def check_transport(manifest: Manifest, transport: Transport) -> None:
     if manifest.transport != transport.name:
         raise InvalidArgumentError(
@@ -503,6 +522,7 @@ class Puller:
         relay_cap: int | None = None,
         spare_mirror: bool = False,
         digester: Digester | None = None,
+        publisher: str | None = None,
     ) -> None:
         """`device` holds the mirror: "cpu", or a GPU ("cuda:0"). A GPU mirror of a driver
         that lands bytes in host memory is fed through pinned host memory, bucket by bucket
@@ -515,9 +535,12 @@ class Puller:
         is: every kind on a host mirror, wsum64 with `digester` on a GPU, nothing on a GPU
         without it; True insists (a GPU mirror needs `digester`, and a version whose
         digests it cannot check, BLAKE2b's, is refused with `InvalidArgumentError`).
-        A pull in which no read lands for `stall_timeout` seconds ends with
-        `NoProgressError` (None waits forever). Progress is counted per read, and a read
-        is at most a bucket, so the bound must exceed the time one bucket takes.
+        A pull in which no read lands for `stall_timeout` seconds of the registry's clock
+        ends with `NoProgressError` (None waits forever), whatever rate `clock` runs at:
+        the lease's grants, stamped by the registry, date each landing (never early; at
+        most a renewal interval late, and a renewal is asked at the deadline). Progress is
+        counted per read, and a read is at most a bucket, so the bound must exceed the
+        time one bucket takes.
 
         While a read runs the lease is renewed every `renew_every` seconds of the
         registry's clock (default, and at most, a third of the TTL), whatever the rate of
@@ -538,6 +561,13 @@ class Puller:
         wsum64 (`InvalidArgumentError`, before reading) wherever it is placed. When a relay fails mid-read (gone, stalled, or bytes that do not
         match), the whole copy is dropped and read again from another source, excluding
         that one, up to `MAX_SOURCE_TRIES` sources: a copy never mixes two sources.
+
+        `publisher` names the line of versions this puller follows (its publisher
+        principal's name): the newest is that line's newest, whatever another principal
+        publishes, and a version of another line is refused (`VersionNotFoundError`).
+        None follows the registry's default line: where one principal publishes, every
+        version; else the line that announced last, whoever's it is: name the publisher
+        wherever another may publish ([threat model](docs/registry-service.md#threat-model)).
 
         With `relay` (needs `host` and `stream`), each pull offers the mirror to other
         replicas while it is still filling (`offer` with `relay_cap`): once its first
@@ -579,6 +609,7 @@ class Puller:
         self.ttl = ttl
         self.device = device
         self.digester = digester
+        self.publisher = check_line(publisher)
         self.verify_digests = (device == "cpu" or digester is not None) if verify_digests is None else verify_digests
         self._insist = bool(verify_digests)  # digests that cannot be checked here refuse the version
         self.stall_timeout = stall_timeout
@@ -680,14 +711,14 @@ class Puller:
             )
         streaming = as_streaming(self.registry) if self.stream else None
         if wait and streaming is not None and version is not None:  # leasable once its first bucket is marked
-            await streaming.wait_for_buckets(version, 1, timeout=wait)
+            await streaming.wait_for_buckets(version, 1, timeout=wait, **self._line)
         elif wait:  # the manifest comes with the answer: no second fetch
-            self._keep_manifest(await self.registry.wait_for_version(version or 0, timeout=wait))
+            self._keep_manifest(await self.registry.wait_for_version(version or 0, timeout=wait, **self._line))
         started = self.clock.now()
         if streaming is not None:
-            lease = await streaming.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
+            lease = await streaming.acquire(version, ttl=self.ttl, holder=self.holder, streaming=True, **self._line)
         else:
-            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder, **self._line)
         renewal, released = None, False
         try:
             manifest = await self._manifest(lease.version)
@@ -736,8 +767,15 @@ class Puller:
             await renewal.finish("while it was borrowed; what was read of it may mix versions")
             self._counts["borrows"] += 1
         finally:
+            self._manifests.pop(lease.version, None)  # a manifest is trusted for one lease's span
             if not released:
                 await release_quietly(self.registry, renewal.lease if renewal else lease, self.holder)
+
+    @property
+    def _line(self) -> LineArgs:
+        """`publisher=` of the registry calls that pick a version: only when one is named
+        (a registry of an earlier release takes none)."""
+        return line_args(self.publisher)
 
     async def _whole(self, manifest: Manifest, region: Region, *, streamed: bool) -> Manifest:
         """A borrowed version once READY (`streamed`: waited for, torn if it ends
@@ -869,11 +907,14 @@ class Puller:
                 streaming=self.stream,
                 host=self.host,
                 exclude=tuple(exclude or ()),
+                **self._line,
             )
         elif self.stream:
-            lease = await as_streaming(self.registry).acquire(version, ttl=self.ttl, holder=self.holder, streaming=True)
+            lease = await as_streaming(self.registry).acquire(
+                version, ttl=self.ttl, holder=self.holder, streaming=True, **self._line
+            )
         else:
-            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+            lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder, **self._line)
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self._manifest(lease.version)
@@ -914,6 +955,7 @@ class Puller:
             self.mirror_version = manifest.version
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
         finally:
+            self._manifests.pop(lease.version, None)  # a manifest is trusted for one lease's span
             await release_quietly(self.registry, lease, self.holder)
 
     def _reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
@@ -1183,8 +1225,9 @@ class Puller:
         raise DigestMismatchError(f"v{manifest.version}: bucket {index} does not match its digest")
 
     async def _manifest(self, version: int) -> Manifest:
-        """Manifests never change once READY: fetch each version's once (a stream's,
-        whose digests come at its commit, each time)."""
+        """A version's manifest, fetched once for the lease read under it (a stream's,
+        whose digests come at its commit, each time). Kept no longer than that lease: a
+        number reclaimed may, much later, be another publisher's (each line numbers its own)."""
         if version in self._manifests:
             return self._manifests[version]
         manifest = await self.registry.get(version)

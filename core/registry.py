@@ -69,22 +69,31 @@ class AsyncResource(Protocol):
 class Registry(AsyncResource, Protocol):
     """What publishers and pullers need from a registry, embedded or served. Its
     operations are below; its lifecycle (`aclose`, `async with`) is `AsyncResource`'s,
-    as it is no operation: nothing of it crosses the wire."""
+    as it is no operation: nothing of it crosses the wire.
+
+    `publisher=` names the line a reader follows: the versions of that owner (a
+    principal's name; see `RegistryMachine`). Left out, the registry's default line: where
+    one principal publishes, every version. A registry of an earlier release takes no
+    `publisher=`: callers pass it only when they name one."""
 
     async def begin(
         self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
     ) -> int: ...
     async def commit(self, manifest: Manifest) -> None: ...
     async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None: ...
-    async def newest(self) -> Manifest | None: ...
+    async def newest(self, *, publisher: str | None = None) -> Manifest | None: ...
     async def get(self, version: int) -> Manifest: ...
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease: ...
+    async def acquire(
+        self, version: int | None = None, *, ttl: float, holder: str, publisher: str | None = None
+    ) -> Lease: ...
     async def renew(self, lease: Lease) -> Lease: ...
     async def release(self, lease: Lease) -> None: ...
     async def is_valid(self, lease: Lease) -> bool: ...
     async def retire(self, version: int) -> None: ...
     async def reclaim(self, version: int) -> None: ...
-    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest: ...
+    async def wait_for_version(
+        self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
+    ) -> Manifest: ...
     async def report_serving(self, replica: str, version: int) -> None: ...
     async def status(self) -> RegistryStatus: ...
 
@@ -97,13 +106,21 @@ class StreamingRegistry(Registry, Protocol):
     for each bucket with `wait_for_buckets`."""
 
     async def acquire(
-        self, version: int | None = None, *, ttl: float, holder: str, streaming: bool = False
+        self,
+        version: int | None = None,
+        *,
+        ttl: float,
+        holder: str,
+        streaming: bool = False,
+        publisher: str | None = None,
     ) -> Lease: ...
     async def stream(self, manifest: Manifest) -> None: ...
     async def mark(self, version: int, committed: int) -> None: ...
     async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None: ...
     async def progress(self, version: int) -> Progress: ...
-    async def wait_for_buckets(self, version: int, at_least: int, timeout: float | None = None) -> Progress: ...
+    async def wait_for_buckets(
+        self, version: int, at_least: int, timeout: float | None = None, *, publisher: str | None = None
+    ) -> Progress: ...
 
 
 @runtime_checkable
@@ -138,6 +155,7 @@ class RelayingRegistry(Protocol):
         streaming: bool = False,
         host: str | None = None,
         exclude: Iterable[str] = (),
+        publisher: str | None = None,
     ) -> Lease: ...
     async def offer(
         self,
@@ -153,7 +171,13 @@ class RelayingRegistry(Protocol):
     async def withdraw(self, version: int, *, holder: str) -> None: ...
     async def readers_at(self, version: int, holder: str) -> int: ...
     async def wait_for_buckets(
-        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+        self,
+        version: int,
+        at_least: int,
+        timeout: float | None = None,
+        *,
+        source: str | None = None,
+        publisher: str | None = None,
     ) -> Progress: ...
 
 
@@ -219,8 +243,8 @@ class InProcessRegistry:
     async def reclaim(self, version: int) -> None:
         self.machine.reclaim(version, by=self.principal)
 
-    async def newest(self) -> Manifest | None:
-        return self.machine.newest(by=self.principal)
+    async def newest(self, *, publisher: str | None = None) -> Manifest | None:
+        return self.machine.newest(publisher=publisher, by=self.principal)
 
     async def get(self, version: int) -> Manifest:
         return self.machine.get(version, by=self.principal)
@@ -234,9 +258,17 @@ class InProcessRegistry:
         streaming: bool = False,
         host: str | None = None,
         exclude: Iterable[str] = (),
+        publisher: str | None = None,
     ) -> Lease:
         return self.machine.acquire(
-            version, ttl=ttl, holder=holder, by=self.principal, streaming=streaming, host=host, exclude=exclude
+            version,
+            ttl=ttl,
+            holder=holder,
+            by=self.principal,
+            streaming=streaming,
+            host=host,
+            exclude=exclude,
+            publisher=publisher,
         )
 
     async def offer(
@@ -281,13 +313,20 @@ class InProcessRegistry:
         return self.machine.reservations(by=self.principal)
 
     async def wait_for_buckets(
-        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+        self,
+        version: int,
+        at_least: int,
+        timeout: float | None = None,
+        *,
+        source: str | None = None,
+        publisher: str | None = None,
     ) -> Progress:
         """The version's progress once `at_least` of its buckets may be read (or it is
         READY); `VersionStateError` naming the reason if it ended otherwise, or was never
         streamed; `VersionWaitTimeoutError` after `timeout`. A version not begun yet,
         newer than every one begun, is waited for (a reader may ask before the trainer
-        begins it); `VersionNotFoundError` once a later one began instead. With `source`
+        begins it); `VersionNotFoundError` once a later one began instead (in `publisher`'s
+        line; None: the default line). With `source`
         (a relay's name), of that relay's copy (`RegistryMachine.progress`): woken by its
         marks, and `NoSourceError` once it offers the version no longer."""
         check_int("at_least", at_least)
@@ -296,7 +335,7 @@ class InProcessRegistry:
             try:
                 progress: Progress | None = self.machine.progress(version, source=source, by=self.principal)
             except VersionNotFoundError:
-                if self.machine.begun(version):
+                if self.machine.begun(version, publisher):
                     raise
                 progress = None
             if progress is not None:
@@ -337,18 +376,22 @@ class InProcessRegistry:
     async def status(self) -> RegistryStatus:
         return self.machine.status(by=self.principal)
 
-    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
-        """The newest READY manifest once its version is at least `min_version`."""
+    async def wait_for_version(
+        self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
+    ) -> Manifest:
+        """The newest READY manifest of `publisher`'s line (None: the default line) once
+        its version is at least `min_version`."""
         check_int("min_version", min_version)
         deadline = None if timeout is None else self.clock.now() + timeout
-        while (newest := self.machine.newest_ready) is None or newest < min_version:
+        while (newest := self.machine.newest_of(publisher)) is None or newest < min_version:
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
+                of = "" if publisher is None else f" of {publisher!r}"
                 raise VersionWaitTimeoutError(
-                    f"no version >= {min_version} within {timeout} s (newest READY: {newest})"
+                    f"no version{of} >= {min_version} within {timeout} s (newest READY: {newest})"
                 )
             await within(self.clock, remaining, self._event().wait)
-        manifest = self.machine.newest()
+        manifest = self.machine.newest(publisher=publisher)
         assert manifest is not None
         return manifest
 

@@ -19,6 +19,15 @@ admin, acts on them; a lease id alone authorizes nothing. The registry numbers v
 a publisher asks for a number (its step, say) and gets it when it is still free, else
 the next free one, so no other principal can make its next version fail.
 
+Lines: each owner's versions form a line of their own, which its readers follow. A
+line's newest READY version is retired only by a newer one of the same line (or by its
+owner, an admin, or its owner's lapse), its numbers go up only by its own begins, and
+its announcements are ordered among themselves alone: no other principal can make the
+line's readers lose its newest version or read another's in its place. A reader names
+the line it follows (`publisher=`, an owner's name); one that names none follows the
+registry's default line: of the lines with a READY version, the one that announced last
+(every version's line, where one principal publishes).
+
 Liveness (with `liveness_ttl`): every principal that is heard from (any operation, or a
 `keepalive` naming the names it owns) stays alive for `liveness_ttl` seconds. When a
 publisher lapses, its WRITING versions end ABORTED and its READY version is withdrawn
@@ -27,6 +36,7 @@ publisher lapses, its WRITING versions end ABORTED and its READY version is with
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import uuid
@@ -64,6 +74,13 @@ MAX_VERSION = 2**63 - 1  # versions fit a signed 64-bit integer wherever they ar
 MAX_VERSION_JUMP = 2**32  # how far past the highest version a non-admin may ask to begin
 MAX_RESERVED_SLOTS = 64  # slots one publisher may reserve ahead
 MAX_RESERVATIONS = 1024  # publishers with a reservation at once: the table cannot grow without bound
+# Versions one principal may hold unreclaimed (an admin, trusted, is not bounded): the table
+# cannot grow without bound, and no principal can hold many numbers another line asks for.
+MAX_HELD_VERSIONS = 128
+# The numbers of the versions reclaimed last are given to no line: a reader that knew a
+# number from one line (a manifest it kept, a version its agent chose) never leases another
+# line's under it. Lines number on their own, so only this keeps numbers from coming back.
+QUARANTINED_NUMBERS = 1024
 _MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
 
 
@@ -108,6 +125,18 @@ class _Version:
         return self.shards.slots() if self.shards is not None else [(self.publisher, self.slot)]
 
 
+@attrs.define
+class _Line:
+    """One owner's line of versions: what its readers follow."""
+
+    owner: str
+    highest_begun: int = -1
+    highest_announced: int = -1  # withdrawn or not: a line's announcements only go up
+    newest: int | None = None  # its newest READY version
+    announced_at: int = 0  # the registry's count of announcements when it last announced
+    begun_at: int = 0  # the registry's count of begins when it last began
+
+
 def check_int(what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgumentError(f"{what} must be a non-negative int, got {value!r}")
@@ -134,9 +163,11 @@ class RegistryMachine:
         self.liveness_ttl = liveness_ttl
         self._versions: dict[int, _Version] = {}
         self._lease_index: dict[str, int] = {}  # lease id -> version
-        self._highest_begun = -1
-        self._highest_announced = -1  # withdrawn or not: announced versions only go up
-        self._newest_ready: int | None = None
+        self._lines: dict[str, _Line] = {}  # owner -> its line
+        self._dropped: collections.deque[int] = collections.deque(maxlen=QUARANTINED_NUMBERS)
+        self._quarantined: set[int] = set()  # the same, to look up
+        self._begins = itertools.count(1)
+        self._announcements = itertools.count(1)
         self._serving: dict[str, int] = {}
         self._alive: dict[str, float] = {}  # principal name -> when its liveness lapses
         self._lapsed: set[str] = set()  # those whose lapse was acted on
@@ -150,13 +181,39 @@ class RegistryMachine:
 
     @property
     def newest_ready(self) -> int | None:
-        self._sweep()
-        return self._newest_ready
+        """The default line's newest READY version."""
+        return self.newest_of(None)
 
-    def begun(self, version: int) -> bool:
-        """Whether `version`, or a later one, was begun: numbers only go up, so a version
-        not begun by then never will be."""
-        return version <= self._highest_begun
+    def newest_of(self, publisher: str | None) -> int | None:
+        """The newest READY version of `publisher`'s line (None: the default line)."""
+        self._sweep()
+        line = self._follow(publisher)
+        return None if line is None else line.newest
+
+    def begun(self, version: int, publisher: str | None = None) -> bool:
+        """Whether `version`, or a later one, was begun in `publisher`'s line (None: the
+        default line): a line's numbers only go up, so a version not begun by then never
+        will be in it."""
+        line = self._follow(publisher)
+        return line is not None and version <= line.highest_begun
+
+    def _follow(self, publisher: str | None) -> _Line | None:
+        """The line a reader follows: `publisher`'s, or the default line (of those with a
+        READY version, the one that announced last; while none has one, the one that
+        announced, else began, last)."""
+        if publisher is not None:
+            return self._lines.get(check_name("publisher", publisher))
+        ready = [line for line in self._lines.values() if line.newest is not None]
+        return max(ready or self._lines.values(), key=lambda line: (line.announced_at, line.begun_at), default=None)
+
+    def _line(self, owner: str) -> _Line:
+        line = self._lines.get(owner)
+        if line is None:
+            line = self._lines[owner] = _Line(owner)
+        return line
+
+    def _line_of(self, record: _Version) -> _Line:
+        return self._line(record.owner)
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever what a waiter waits on may have changed: a version
@@ -202,7 +259,13 @@ class RegistryMachine:
                     f"version {joining.version} is {joining.state} ({joining.reason}); shard {index} cannot join it"
                 )
             joining.shards.check_join(index, count)
-        number = joining.version if joining is not None else self._number(asked, by)
+        if joining is None and not by.is_admin:
+            held = sum(1 for v in self._versions.values() if v.owner == owner)
+            if held >= MAX_HELD_VERSIONS:
+                raise InvalidArgumentError(
+                    f"{owner!r} holds {held} versions not reclaimed, the most one principal may: reclaim some first"
+                )
+        number = joining.version if joining is not None else self._number(asked, by, owner)
         for v in self._versions.values():
             if (publisher, slot) in v.slots():
                 raise VersionInUseError(
@@ -213,7 +276,8 @@ class RegistryMachine:
             assert joining.shards is not None
             joining.shards.join(index, publisher, slot)
             return number
-        self._highest_begun = number
+        line = self._line(owner)
+        line.highest_begun, line.begun_at = number, next(self._begins)
         shards = None
         if shard is not None:
             shards = ShardAssembly(number, count)
@@ -239,7 +303,7 @@ class RegistryMachine:
         self._check_publisher(by, "commit", manifest.publisher)
         if record.shards is not None:
             if record.shards.commit(
-                manifest, state=record.state, reason=record.reason, announced=self._highest_announced
+                manifest, state=record.state, reason=record.reason, announced=self._line_of(record).highest_announced
             ):
                 try:
                     whole = record.shards.whole()
@@ -280,8 +344,11 @@ class RegistryMachine:
                 f"manifest for v{manifest.version} names publisher {manifest.publisher!r} "
                 f"slot {manifest.slot}; it was begun by {record.publisher!r} slot {record.slot}"
             )
-        if manifest.version < self._highest_announced:
-            raise VersionOrderError(f"version {manifest.version} cannot be announced after {self._highest_announced}")
+        announced = self._line_of(record).highest_announced
+        if manifest.version < announced:
+            raise VersionOrderError(
+                f"version {manifest.version} cannot be announced after {announced} of {record.owner!r}"
+            )
 
     def stream(self, manifest: Manifest, *, by: Principal = ADMIN) -> None:
         """WRITING -> STREAMING: the version's manifest (digests, if any, come with its
@@ -350,11 +417,18 @@ class RegistryMachine:
         record.manifest = manifest
         if manifest.digests is None and self.relays.drop_offers(record.version):
             log.warning("v%s was committed without digests: its relays' offers end", record.version)
-        self._highest_announced = manifest.version
-        previous, self._newest_ready = self._newest_ready, manifest.version
+        line = self._line_of(record)
+        line.highest_announced, line.announced_at = manifest.version, next(self._announcements)
+        previous, line.newest = line.newest, manifest.version
         if previous is not None and self._versions[previous].state is VersionState.READY:
-            self._move(self._versions[previous], VersionEvent.RETIRE)
-        for old in [v for v in self._versions.values() if v.shards is not None and v.version < manifest.version]:
+            self._move(self._versions[previous], VersionEvent.RETIRE)  # its own line's alone
+        superseded = [
+            v
+            for v in self._versions.values()
+            # Its own line's; an admin's tombstone (no owner: it stood for any publisher) too.
+            if v.shards is not None and v.owner in (record.owner, "") and v.version < manifest.version
+        ]
+        for old in superseded:
             assert old.shards is not None  # for the type checker
             if not old.shards.began:  # an abort's tombstone: nobody may begin it now anyway
                 del self._versions[old.version]
@@ -381,7 +455,7 @@ class RegistryMachine:
                 # Numbered as a begin would be (bounded, never a number used before), but not
                 # counted as begun: a restarted registry takes replayed aborts before the
                 # older versions that were READY, which must keep their numbers.
-                number = self._number(version, by)
+                number = self._number(version, by, owner or "")
                 self._versions[number] = _Version(
                     number,
                     "",
@@ -410,8 +484,9 @@ class RegistryMachine:
         self._check_owner(by, record, "retire")
         self._move(record, VersionEvent.RETIRE)
         record.reason = record.reason or f"retired by {by}"
-        if self._newest_ready == version:
-            self._newest_ready = None
+        line = self._line_of(record)
+        if line.newest == version:
+            line.newest = None
 
     def reclaim(self, version: int, *, by: Principal = ADMIN) -> None:
         """Give a RETIRED or ABORTED version's slot back to its publisher. Refused while
@@ -435,11 +510,13 @@ class RegistryMachine:
 
     # -- reading -------------------------------------------------------------------------
 
-    def newest(self, *, by: Principal = ADMIN) -> Manifest | None:
+    def newest(self, *, publisher: str | None = None, by: Principal = ADMIN) -> Manifest | None:
+        """The newest READY manifest of `publisher`'s line (None: the default line's)."""
         self._enter(by, "newest")
-        if self._newest_ready is None:
+        line = self._follow(publisher)
+        if line is None or line.newest is None:
             return None
-        return self._versions[self._newest_ready].manifest
+        return self._versions[line.newest].manifest
 
     def get(self, version: int, *, by: Principal = ADMIN) -> Manifest:
         self._enter(by, "get")
@@ -458,9 +535,12 @@ class RegistryMachine:
         streaming: bool = False,
         host: str | None = None,
         exclude: Iterable[str] = (),
+        publisher: str | None = None,
     ) -> Lease:
-        """Lease the newest READY version, or `version` if it is READY. With `streaming`,
-        a STREAMING version counts too: the newest of either, or `version` if it is one.
+        """Lease the newest READY version of `publisher`'s line (None: the default line),
+        or `version` if it is READY (and of that line, when `publisher` is named). With
+        `streaming`, a STREAMING version counts too: the line's newest of either, or
+        `version` if it is one.
 
         With `host` (the reader's), the lease is placed at a source of the version the
         registry picks (`weightpull.sources.choose_source`: its own slot, or a replica's
@@ -473,17 +553,25 @@ class RegistryMachine:
         if not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl:
             raise InvalidArgumentError(f"ttl must be in (0, {self.max_ttl}] seconds, got {ttl!r}")
         readable = (VersionState.READY, VersionState.STREAMING) if streaming else (VersionState.READY,)
+        line = self._follow(publisher)
         if version is None:
-            streams = [v.version for v in self._versions.values() if streaming and v.state is VersionState.STREAMING]
-            newest = max([*streams, -1 if self._newest_ready is None else self._newest_ready])
+            streams = [
+                v.version
+                for v in self._versions.values()
+                if streaming and v.state is VersionState.STREAMING and line is not None and v.owner == line.owner
+            ]
+            newest = max([*streams, -1 if line is None or line.newest is None else line.newest])
             if newest < 0:
-                raise NoReadyVersionError(self._why_none_ready())
+                raise NoReadyVersionError(self._why_none_ready(line, publisher))
             version = newest
         record = self._record(version)
+        if publisher is not None and record.owner != publisher:
+            raise VersionNotFoundError(f"{publisher!r} has no version {version} (it is {record.owner!r}'s)")
         if record.state not in readable:
             why = f" ({record.reason})" if record.reason else ""
+            newest_ready = None if line is None else line.newest
             raise VersionStateError(
-                f"version {version} is {record.state}{why} and takes no new leases (newest READY: {self._newest_ready})"
+                f"version {version} is {record.state}{why} and takes no new leases (newest READY: {newest_ready})"
             )
         lease = _Lease(
             f"{self._lease_prefix}-{next(self._lease_ids)}", version, holder, float(ttl), self.clock.now() + ttl
@@ -718,7 +806,9 @@ class RegistryMachine:
                 landed = total if o.landed is None else o.landed
                 leases_at = self.relays.leases_at(record.version, o.holder)
                 offers.append(OfferInfo(record.version, o.holder, o.host, landed, total, leases_at, o.cap))
-        return RegistryStatus(self._newest_ready, tuple(versions), tuple(leases), serving, alive, tuple(offers))
+        default = self._follow(None)
+        newest = None if default is None else default.newest
+        return RegistryStatus(newest, tuple(versions), tuple(leases), serving, alive, tuple(offers))
 
     # -- authority -----------------------------------------------------------------------
 
@@ -754,19 +844,27 @@ class RegistryMachine:
         if not by.owns(lease.holder):
             self._refuse(by, op, f"lease {lease.id}", f"it is held by {lease.holder!r}")
 
-    def _number(self, asked: int | None, by: Principal) -> int:
-        """The number a new version gets when `asked` for: the number asked, while it
-        exceeds every version begun and is free; else the next free one (another
-        principal's versions took it, or a restarted publisher asks again from its start)."""
-        following = self._highest_begun + 1
-        if asked is None or asked < following or asked in self._versions:
-            number = max(following, max(self._versions, default=-1) + 1)
-        elif not by.is_admin and asked - following > MAX_VERSION_JUMP:
+    def _number(self, asked: int | None, by: Principal, owner: str) -> int:
+        """The number a new version of `owner`'s line gets when `asked` for: the number
+        asked, while it exceeds every version begun in that line and is free; else the
+        next free one after it, or after the line's last (a restarted publisher asks again
+        from its start; None asks for the next: of a new line's first version, the next
+        after every number begun). Free: held by no version, and not among the numbers
+        reclaimed last. Only the line's own begins move its numbers: another's take at
+        most the numbers it holds (`MAX_HELD_VERSIONS`) and those just reclaimed, never a
+        range."""
+        line = self._lines.get(owner)
+        if line is None and asked is None:  # a new line's first version: after every one begun anywhere
+            following = max((x.highest_begun for x in self._lines.values()), default=-1) + 1
+        else:
+            following = (-1 if line is None else line.highest_begun) + 1
+        if asked is not None and asked >= following and not by.is_admin and asked - following > MAX_VERSION_JUMP:
             raise InvalidArgumentError(
                 f"version {asked} is more than {MAX_VERSION_JUMP} past the next, {following}: ask for a nearer one"
             )
-        else:
-            number = asked
+        number = following if asked is None or asked < following else asked
+        while number in self._versions or number in self._quarantined:  # another's, live or just reclaimed
+            number += 1
         if number > MAX_VERSION:
             raise InvalidArgumentError(f"versions are at most {MAX_VERSION}; v{number} cannot be begun")
         return number
@@ -827,19 +925,25 @@ class RegistryMachine:
                 elif record.state is VersionState.READY:
                     self._move(record, VersionEvent.RETIRE)
                     record.reason = f"withdrawn: {why}"
-                    if self._newest_ready == record.version:
-                        self._newest_ready = None
+                    line = self._line_of(record)
+                    if line.newest == record.version:
+                        line.newest = None
                     log.warning("withdrew v%s: %s", record.version, why)
                     ended = True
         if ended:  # readers waiting on an ended stream are told now, not at their long poll's end
             self._changed()
 
-    def _why_none_ready(self) -> str:
-        withdrawn = [v for v in self._versions.values() if v.state is VersionState.RETIRED and v.reason]
-        if self._newest_ready is None and withdrawn:
+    def _why_none_ready(self, line: _Line | None, publisher: str | None) -> str:
+        of = "" if publisher is None else f" of {publisher!r}"
+        withdrawn = [
+            v
+            for v in self._versions.values()
+            if v.state is VersionState.RETIRED and v.reason and line is not None and v.owner == line.owner
+        ]
+        if withdrawn:
             last = max(withdrawn, key=lambda v: v.version)
-            return f"no version is READY: v{last.version} was {last.reason}"
-        return "no version is READY yet"
+            return f"no version{of} is READY: v{last.version} was {last.reason}"
+        return f"no version{of} is READY yet"
 
     # -- internals -----------------------------------------------------------------------
 
@@ -857,6 +961,10 @@ class RegistryMachine:
 
     def _drop(self, record: _Version) -> None:
         self._move(record, VersionEvent.RECLAIM)
+        if len(self._dropped) == self._dropped.maxlen:
+            self._quarantined.discard(self._dropped[0])
+        self._dropped.append(record.version)
+        self._quarantined.add(record.version)
         self.relays.forget(record.version)
         for lease_id in record.leases:
             self._lease_index.pop(lease_id, None)

@@ -30,7 +30,9 @@ from .puller import (
     _default_holder,
     _Pacer,
     check_lease_settings,
+    check_line,
     check_transport,
+    line_args,
     read_under_lease,
     release_quietly,
 )
@@ -96,16 +98,18 @@ class SlicePuller:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         align: int = DEFAULT_ALIGN,
         clock: Clock | None = None,
+        publisher: str | None = None,
     ) -> None:
         """Rank `rank_slice.rank` of a replica, holding `rank_slice`'s parameters in a
         mirror on `device` packed by (`bucket_bytes`, `align`). The lease, renewal and
-        stall rules are the `Puller`'s. Versions carry no digests for slices (a sharded
+        stall rules are the `Puller`'s, and so is `publisher` (the line followed). Versions carry no digests for slices (a sharded
         version records none), so none are checked."""
         self.renew_every = check_lease_settings(ttl, renew_every, stall_timeout)
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
         self.rank_slice = rank_slice
         self.holder = holder or _default_holder(registry)
+        self.publisher = check_line(publisher)
         self.ttl = ttl
         self.device = device
         self.stall_timeout = stall_timeout
@@ -114,7 +118,7 @@ class SlicePuller:
         self.mirror: Region | None = None
         self.mirror_version: int | None = None
         self._mirror_layout: str | None = None
-        self._plans: OrderedDict[tuple[int, str], SlicePlan] = OrderedDict()
+        self._plans: OrderedDict[tuple[int, str, tuple[bytes, ...]], SlicePlan] = OrderedDict()
         self._remotes: dict[bytes, Remote] = {}
         self._lock: anyio.Lock | None = None
 
@@ -130,7 +134,7 @@ class SlicePuller:
 
     async def _pull(self, version: int | None) -> SlicePulled:
         started = self.clock.now()
-        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder)
+        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder, **line_args(self.publisher))
         pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
         try:
             manifest = await self.registry.get(lease.version)
@@ -150,8 +154,9 @@ class SlicePuller:
             await release_quietly(self.registry, lease, self.holder)
 
     def _plan(self, manifest: Manifest) -> SlicePlan:
-        """Plans depend on the layout and the shards' rows only: made once per version."""
-        key = (manifest.version, manifest.layout.signature)
+        """Plans depend on the layout, the shards' rows and their slots: made once per
+        version (its slots in the key, whatever the registry does with its numbers)."""
+        key = (manifest.version, manifest.layout.signature, tuple(s.source for s in manifest.shards))
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_slice(manifest, self.rank_slice, bucket_bytes=self.bucket_bytes, align=self.align)

@@ -80,6 +80,11 @@ def actor_name(address: str) -> str:
     return name
 
 
+def _line(publisher: str | None) -> dict[str, str]:
+    """The `publisher` argument, passed only when a line is named."""
+    return {} if publisher is None else {"publisher": publisher}
+
+
 def _to_wire(value: Any) -> Any:
     """A record as its schema dict; a tuple (a shard) as a list; anything else as it is."""
     if isinstance(value, Manifest | Lease | RegistryStatus):
@@ -194,15 +199,17 @@ class RayRegistry:
     async def reclaim(self, version: int) -> None:
         await self._op("reclaim", version=version)
 
-    async def newest(self) -> Manifest | None:
-        data = await self._op("newest")
+    async def newest(self, *, publisher: str | None = None) -> Manifest | None:
+        data = await self._op("newest", **_line(publisher))
         return None if data is None else Manifest.from_dict(data)
 
     async def get(self, version: int) -> Manifest:
         return Manifest.from_dict(await self._op("get", version=version))
 
-    async def acquire(self, version: int | None = None, *, ttl: float, holder: str) -> Lease:
-        return Lease.from_dict(await self._op("acquire", version=version, ttl=ttl, holder=holder))
+    async def acquire(
+        self, version: int | None = None, *, ttl: float, holder: str, publisher: str | None = None
+    ) -> Lease:
+        return Lease.from_dict(await self._op("acquire", version=version, ttl=ttl, holder=holder, **_line(publisher)))
 
     async def renew(self, lease: Lease) -> Lease:
         return Lease.from_dict(await self._op("renew", lease=lease.to_dict()))
@@ -219,11 +226,14 @@ class RayRegistry:
     async def status(self) -> RegistryStatus:
         return RegistryStatus.from_dict(await self._op("status"))
 
-    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
+    async def wait_for_version(
+        self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
+    ) -> Manifest:
         """Parked in the actor (which keeps answering others meanwhile) until a version at
         least `min_version` is READY, or `timeout` passes (`VersionWaitTimeoutError`)."""
         limit = None if timeout is None else timeout + self.timeout
-        data = await self._call("wait_for_version", {"min_version": min_version, "timeout": timeout}, limit)
+        args = {"min_version": min_version, "timeout": timeout, **_line(publisher)}
+        data = await self._call("wait_for_version", args, limit)
         return Manifest.from_dict(data)
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.errors import PermissionDeniedError
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal, root
+from weightpull.registry_machine import MAX_HELD_VERSIONS
 
 from .conftest import host_tensors
 
@@ -126,14 +127,26 @@ async def test_a_publisher_acts_only_on_its_own_versions(trainer, rogue, reg):
 
 async def test_no_other_principal_can_make_a_publishers_next_version_fail(trainer, rogue):
     await publish(trainer, 5, 0)
-    # The rogue races ahead: far ahead, then onto the very number the trainer asks next.
+    # The rogue takes a number the trainer will ask, then races far ahead: its numbers are
+    # its own line's, and the trainer's go on, skipping only the one number it holds.
+    assert await rogue.begin(7, publisher="rogue", slot=1) == 7
     assert await rogue.begin(1_000_000, publisher="rogue", slot=0) == 1_000_000
-    assert await rogue.begin(1_000_001, publisher="rogue", slot=1) == 1_000_001
-    given = await publish(trainer, 6, 1)
-    assert given == 1_000_002
-    assert (await trainer.newest()).version == given
-    with pytest.raises(InvalidArgumentError, match="past the next"):  # versions cannot be used up
+    assert await publish(trainer, 6, 1) == 6
+    given = await publish(trainer, 7, 2)
+    assert given == 8
+    assert (await trainer.newest(publisher="trainer")).version == given
+    with pytest.raises(InvalidArgumentError, match="past the next"):  # its own line cannot jump far either
         await rogue.begin(2**62, publisher="rogue", slot=2)
+
+
+async def test_no_principal_can_hold_more_than_its_share_of_the_numbers(trainer, rogue):
+    """The numbers another can take from a line are the versions it holds, and those
+    are bounded: squatting the numbers a trainer will ask costs a version each."""
+    for slot in range(MAX_HELD_VERSIONS):
+        await rogue.begin(100 + slot, publisher="rogue", slot=slot)
+    with pytest.raises(InvalidArgumentError, match="versions not reclaimed"):
+        await rogue.begin(None, publisher="rogue", slot=MAX_HELD_VERSIONS)
+    assert await publish(trainer, 100, 0) == 100 + MAX_HELD_VERSIONS  # skips what it holds, no more
 
 
 async def test_the_shards_of_one_publisher_find_each_other_by_the_number_they_ask(trainer, rogue):

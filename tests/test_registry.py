@@ -74,19 +74,34 @@ async def test_the_registry_numbers_versions_giving_the_number_asked_while_it_is
 async def test_versions_are_announced_in_order(reg):
     await publish(reg, 5)
     await reg.begin(6, publisher="pub", slot=2)
-    await reg.begin(7, publisher="pub2", slot=0)
-    await reg.commit(manifest(7, 0, "pub2"))
-    with pytest.raises(VersionOrderError, match="after 7"):  # 6 would be announced after 7
+    await reg.begin(7, publisher="pub", slot=0)
+    await reg.commit(manifest(7, 0))
+    with pytest.raises(VersionOrderError, match="after 7 of 'pub'"):  # 6 would be announced after 7
         await reg.commit(manifest(6, 2))
+
+
+async def test_another_publishers_announcements_do_not_order_a_line(reg):
+    """Each publisher's versions are a line of their own: another's newer number neither
+    bars this one's commit nor retires its newest READY."""
+    await publish(reg, 5)
+    await reg.begin(6, publisher="pub", slot=2)
+    assert await reg.begin(7, publisher="pub2", slot=0) == 7
+    await reg.commit(manifest(7, 0, "pub2"))
+    await reg.commit(manifest(6, 2))
+    assert await states(reg) == {5: VersionState.RETIRED, 6: VersionState.READY, 7: VersionState.READY}
+    assert (await reg.newest(publisher="pub")).version == 6
+    assert (await reg.newest(publisher="pub2")).version == 7
+    assert (await reg.newest()).version == 6  # the default line: the one that announced last
 
 
 async def test_a_withdrawn_version_still_bars_older_ones(reg):
     """Regression (found by fuzz/test_concurrent.py, two trainers): once the newest READY
     was withdrawn, an older version still WRITING could be announced after it, and
-    readers that had applied v7 were offered v6 as the newest."""
+    readers that had applied v7 were offered v6 as the newest. (Within one line: each
+    publisher's versions are ordered among themselves.)"""
     await reg.begin(6, publisher="pub", slot=0)
-    await reg.begin(7, publisher="pub2", slot=0)
-    await reg.commit(manifest(7, 0, "pub2"))
+    await reg.begin(7, publisher="pub", slot=1)
+    await reg.commit(manifest(7, 1))
     await reg.retire(7)
     with pytest.raises(VersionOrderError, match="after 7"):
         await reg.commit(manifest(6, 0))

@@ -18,7 +18,7 @@ import time
 import anyio
 import pytest
 
-from weightpull import Lease, Manifest, NoReadyVersionError, VersionState, plan_layout
+from weightpull import Lease, Manifest, NoReadyVersionError, VersionNotFoundError, VersionState, plan_layout
 from weightpull.errors import AuthenticationError, InvalidArgumentError, PermissionDeniedError
 from weightpull.layout import TensorSpec
 from weightpull.principals import ADMIN, Principal
@@ -263,6 +263,57 @@ async def test_each_authority_rule_holds_over_the_wire(keyed):
     assert {v.version: v.state for v in (await admin.status()).versions}[2] is VersionState.RETIRED
     for reg in (trainer, rival, reader, other_reader, admin):
         await reg.aclose()
+
+
+async def test_a_second_publisher_cannot_take_the_trainers_readers(keyed):
+    """The case as a user met it: the trainer's v2 is READY; a rival with a publisher key
+    begins and commits a version of its own (far ahead in number), then retires it. The
+    trainer's v2 stays READY throughout, a reader that names the trainer keeps reading
+    the trainer's bytes and never sees the rival's, one that names no one follows the
+    default line (the rival's while its version is the last announced: the docs say to
+    name the publisher) and falls back to the trainer's once the rival's goes, and the
+    trainer's next number is its own. Before lines, the rival's commit retired v2 and its
+    retire left nothing READY for anyone."""
+    from weightpull import Publisher, Puller
+    from weightpull.drivers.fake import FakeFabric, FakeTransport
+
+    from .conftest import host_tensors
+
+    fabric = FakeFabric()
+    async with (
+        client(keyed, "trainer") as trainer,
+        client(keyed, "rival") as rival,
+        client(keyed, "replica-0") as reader,
+        client(keyed, "replica-1") as other,
+    ):
+        publisher = Publisher(trainer, FakeTransport(fabric=fabric), rollout_dtype=None, num_slots=3)
+        await publisher.publish(1, host_tensors(1))
+        await publisher.publish(2, host_tensors(2))
+        named = Puller(reader, FakeTransport(fabric=fabric), holder="replica-0", publisher="trainer")
+        unnamed = Puller(other, FakeTransport(fabric=fabric), holder="replica-1")
+        assert (await unnamed.pull()).version == 2
+
+        bogus = await rival.begin(10**9, publisher="rival", slot=0)
+        await rival.commit(Manifest(bogus, plan_layout([TensorSpec("w", "uint8", (8,))]), "fake", b"{}", 0, "rival"))
+        status = await reader.status()
+        assert {v.version: v.state for v in status.versions} == {
+            1: VersionState.RETIRED,
+            2: VersionState.READY,
+            bogus: VersionState.READY,
+        }
+        pulled = await named.pull()
+        assert pulled.version == 2 and bytes(pulled.view("t1")) == host_tensors(2)["t1"].data
+        with pytest.raises(VersionNotFoundError, match="'trainer' has no version"):
+            await named.pull(bogus)  # not even by its number
+        assert (await other.newest()).version == bogus  # the default line: the last announced
+
+        await rival.retire(bogus)
+        assert (await reader.newest()).version == 2  # the default line falls back to the trainer's
+        assert (await reader.newest(publisher="trainer")).version == 2
+        assert (await publisher.publish(3, host_tensors(3))).version == 3  # its numbers are its own
+        assert (await named.pull()).version == (await unnamed.pull()).version == 3
+        await publisher.aclose()
+    assert "withdrawn" not in keyed.log()
 
 
 # -- liveness ---------------------------------------------------------------------------------

@@ -222,10 +222,15 @@ def test_an_abort_before_any_begin_refuses_the_siblings(m):
 
 
 def test_a_later_version_supersedes_an_unfinished_sharded_one(m):
+    """Of its own line only: v1's owner (rank0, as an admin wrote it) announces v3 while
+    v1 still waits on rank1's shard; another line's v2 leaves v1 alone."""
     begin_shards(m, 1)
     m.commit(shard_manifest(1, 0))
-    publish(m, 2, slot=1)
+    publish(m, 2, slot=1)  # another line's (pub's): it leaves v1 alone
+    assert states(m)[1] is VersionState.WRITING
+    m.begin(3, publisher="rank0", slot=1)
+    m.commit(manifest(3, 1, "rank0"))
     (info,) = [v for v in m.status().versions if v.version == 1]
-    assert info.state is VersionState.ABORTED and "superseded by v2" in info.reason
+    assert info.state is VersionState.ABORTED and "superseded by v3" in info.reason
     m.reclaim(1)
-    begin_shards(m, 3)  # both ranks' slots are free again
+    begin_shards(m, 4)  # both ranks' slots are free again

@@ -247,8 +247,8 @@ class ZmqRegistry:
 
     # -- reading -------------------------------------------------------------------------
 
-    async def newest(self) -> Manifest | None:
-        data = await self._call("newest")
+    async def newest(self, *, publisher: str | None = None) -> Manifest | None:
+        data = await self._call("newest", **_line(publisher))
         return None if data is None else Manifest.from_dict(data)
 
     async def get(self, version: int) -> Manifest:
@@ -263,12 +263,14 @@ class ZmqRegistry:
         streaming: bool = False,
         host: str | None = None,
         exclude: Iterable[str] = (),
+        publisher: str | None = None,
     ) -> Lease:
         extra: dict[str, Any] = (
             {"streaming": True} if streaming else {}
         )  # sent only when set: an older server takes the rest
         if host is not None:
             extra |= {"host": host, "exclude": list(exclude)}
+        extra |= _line(publisher)
         return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder, **extra))
 
     # -- relays ----------------------------------------------------------------------------
@@ -324,11 +326,15 @@ class ZmqRegistry:
             self._release_checked = False
             return None
 
-    async def wait_for_version(self, min_version: int, timeout: float | None = None) -> Manifest:
+    async def wait_for_version(
+        self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
+    ) -> Manifest:
         try:
-            return Manifest.from_dict(await self._long_poll("wait_for_version", timeout, min_version=min_version))
+            data = await self._long_poll("wait_for_version", timeout, min_version=min_version, **_line(publisher))
         except VersionWaitTimeoutError:
-            raise VersionWaitTimeoutError(f"no version >= {min_version} within {timeout} s") from None
+            of = "" if publisher is None else f" of {publisher!r}"
+            raise VersionWaitTimeoutError(f"no version{of} >= {min_version} within {timeout} s") from None
+        return Manifest.from_dict(data)
 
     async def _long_poll(self, op: str, timeout: float | None, **args: Any) -> Any:
         """`op` as long polls of at most `wait_poll` seconds each, so that no request
@@ -370,9 +376,15 @@ class ZmqRegistry:
         return tuple(Reservation.from_dict(r) for r in found)
 
     async def wait_for_buckets(
-        self, version: int, at_least: int, timeout: float | None = None, *, source: str | None = None
+        self,
+        version: int,
+        at_least: int,
+        timeout: float | None = None,
+        *,
+        source: str | None = None,
+        publisher: str | None = None,
     ) -> Progress:
-        extra = {} if not source else {"source": source}
+        extra = ({} if not source else {"source": source}) | _line(publisher)
         data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least, **extra)
         return Progress.from_dict(data)
 
@@ -693,3 +705,8 @@ class ZmqRegistry:
         finally:
             if self._beat is scope:  # ended by itself: the next publish starts another
                 self._stop_heartbeat()
+
+
+def _line(publisher: str | None) -> dict[str, str]:
+    """The `publisher` argument as sent: only when a line is named (older servers take no other)."""
+    return {} if publisher is None else {"publisher": publisher}

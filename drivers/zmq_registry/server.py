@@ -423,7 +423,7 @@ class RegistryServer:
             case "reclaim":
                 return m.reclaim(a["version"], by=by)
             case "newest":
-                manifest = m.newest(by=by)
+                manifest = m.newest(publisher=a.get("publisher"), by=by)
                 return None if manifest is None else manifest.to_dict()
             case "get":
                 return m.get(a["version"], by=by).to_dict()
@@ -437,6 +437,7 @@ class RegistryServer:
                     streaming=streaming,
                     host=a.get("host"),
                     exclude=tuple(a.get("exclude") or ()),
+                    publisher=a.get("publisher"),
                 ).to_dict()
             case "offer":
                 descriptor = _unbase64(a["descriptor"])
@@ -485,12 +486,15 @@ class RegistryServer:
     async def _wait_for_version(self, a: dict[str, Any], by: Principal) -> Any:
         self.machine.keepalive((), by=by)  # a reader waiting is alive
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        return (await self.registry.wait_for_version(a["min_version"], timeout)).to_dict()
+        waited = self.registry.wait_for_version(a["min_version"], timeout, publisher=a.get("publisher"))
+        return (await waited).to_dict()
 
     async def _wait_for_buckets(self, a: dict[str, Any], by: Principal) -> Any:
         self.machine.keepalive((), by=by)
         timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        waited = self.registry.wait_for_buckets(a["version"], a["at_least"], timeout, source=a.get("source"))
+        waited = self.registry.wait_for_buckets(
+            a["version"], a["at_least"], timeout, source=a.get("source"), publisher=a.get("publisher")
+        )
         return (await waited).to_dict()
 
 

@@ -305,12 +305,12 @@ OPS: Mapping[str, Op] = {
     "abort": Op({"version": Count, "reason": Text}, True, {"shard": ShardArg}),
     "retire": Op({"version": Count}, True),
     "reclaim": Op({"version": Count}, True),
-    "newest": Op({}, False),
+    "newest": Op({}, False, {"publisher": Text}),
     "get": Op({"version": Count}, False),
     "acquire": Op(
         {"version": Count | None, "ttl": Seconds, "holder": Text},
         True,
-        {"streaming": bool, "host": Text, "exclude": Names},
+        {"streaming": bool, "host": Text, "exclude": Names, "publisher": Text},
     ),
     "offer": Op(
         {"version": Count, "holder": Text, "host": Text, "descriptor": Blob}, True, {"cap": Count, "landed": Count}
@@ -324,12 +324,14 @@ OPS: Mapping[str, Op] = {
     "progress": Op({"version": Count}, False, {"source": Text}),
     "reserve": Op({"reservation": Object}, True),
     "reservations": Op({}, False),
-    "wait_for_buckets": Op({"version": Count, "at_least": Count, "timeout": Seconds | None}, False, {"source": Text}),
+    "wait_for_buckets": Op(
+        {"version": Count, "at_least": Count, "timeout": Seconds | None}, False, {"source": Text, "publisher": Text}
+    ),
     "renew": Op({"lease": Object}, True),
     "release": Op({"lease": Object}, True),
     "release_checked": Op({"lease": Object}, True),
     "is_valid": Op({"lease": Object}, False),
-    "wait_for_version": Op({"min_version": Count, "timeout": Seconds | None}, False),
+    "wait_for_version": Op({"min_version": Count, "timeout": Seconds | None}, False, {"publisher": Text}),
     "report_serving": Op({"replica": Text, "version": Count}, True),
     "status": Op({}, False),
 }

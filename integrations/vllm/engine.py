@@ -22,6 +22,7 @@ from weightpull.agent import PauseMode, UpdateAgent
 from weightpull.clock import Clock, MonotonicClock
 from weightpull.dispatcher import Prompt
 from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
+from weightpull.puller import check_line
 from weightpull.registry import Registry
 from weightpull.staleness import Trajectory
 
@@ -55,6 +56,13 @@ def _flag(what: str) -> Any:
 def _relay_cap(_: Any, __: attrs.Attribute[int | None], cap: int | None) -> None:
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
         raise InvalidArgumentError(f"PullSpec.relay_cap must be a positive int or None (no cap), got {cap!r}")
+
+
+def _publisher(_: Any, __: attrs.Attribute[str | None], publisher: str | None) -> None:
+    try:
+        check_line(publisher)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"PullSpec.{exc}") from None
 
 
 def _stream(_: Any, __: attrs.Attribute[bool | None], stream: bool | None) -> None:
@@ -94,6 +102,9 @@ class PullSpec:
     # Read a version bucket by bucket as its source holds it (a relay still receiving it);
     # None: when host is set. A relay streams.
     stream: bool | None = attrs.field(default=None, validator=_stream)
+    # The publisher principal whose versions this replica follows (None: the registry's
+    # default line): another principal's versions are never pulled (docs/registry-service.md).
+    publisher: str | None = attrs.field(default=None, validator=_publisher)
 
     def __attrs_post_init__(self) -> None:
         """The relay options' combinations, refused here rather than in every worker."""
@@ -276,7 +287,9 @@ async def open_replica(
     engine = VllmEngine(llm)
     try:
         await engine.start(spec)
-        agent = UpdateAgent(name, registry, engine, pause_mode=pause_mode, min_version_lag=min_version_lag)
+        agent = UpdateAgent(
+            name, registry, engine, pause_mode=pause_mode, min_version_lag=min_version_lag, publisher=spec.publisher
+        )
         yield OpenReplica(name, llm, engine, agent, VllmReplica(name, llm, agent, sampling_params))
     finally:
         await shutdown(llm, engine)

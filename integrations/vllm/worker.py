@@ -143,6 +143,7 @@ class WeightpullWorker:
                 ttl=spec.get("ttl", 10.0),
                 device=device,
                 rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
+                publisher=spec.get("publisher"),
                 **relaying(spec),
                 **digesting(device, sliced=self._weightpull_sliced is not None),
             )
