@@ -11,6 +11,7 @@ live lease still holds.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import io
 import itertools
@@ -49,6 +50,7 @@ from weightpull.clock import ScaledClock
 from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.drivers.faulty import Faults, FaultyTransport
 from weightpull.principals import Principal
+from weightpull.registry_machine import QUARANTINED_NUMBERS
 from weightpull.tensors import HostTensorAdapter
 
 from . import profiles
@@ -231,51 +233,90 @@ class LeaseRecord:
 
 
 @attrs.define
+class Line:
+    """One publisher's line of versions, as the model keeps it (registry_machine's rule)."""
+
+    newest: int | None = None  # its newest READY version
+    announced: list[int] = attrs.Factory(list)
+    highest_begun: int = 0
+    order: tuple[int, int] = (0, 0)  # (its last announcement, its last begin), counted
+
+
+@attrs.define
 class Model:
-    """What the registry and the slots must hold, kept apart from the code under test."""
+    """What the registry and the slots must hold, kept apart from the code under test.
+    Each publisher (a principal of its own) writes a line of its own; a reader that
+    names none follows the default line, the READY line that announced last."""
 
     clock: FakeClock
     slots: dict[str, list[int | None]]  # the version each publisher's slot holds, or None
     states: dict[int, VersionState] = attrs.Factory(dict)  # versions not yet reclaimed
     contents: dict[int, dict[str, bytes]] = attrs.Factory(dict)
-    newest: int | None = None  # the newest READY version
-    announced: list[int] = attrs.Factory(list)
-    highest_begun: int = 0
+    lines: dict[str, Line] = attrs.Factory(dict)  # by publisher
+    owner: dict[int, str] = attrs.Factory(dict)  # the publisher of each version begun
     leases: dict[str, LeaseRecord] = attrs.Factory(dict)
     versions: itertools.count = attrs.Factory(lambda: itertools.count(1))
     buckets: dict[int, int] = attrs.Factory(dict)  # a streamed version's bucket count
     marks: dict[int, int] = attrs.Factory(dict)  # a streamed version's buckets marked so far
     aborted: set[int] = attrs.Factory(set)  # versions whose publish failed once begun
+    # The numbers reclaimed last, which no line may take yet.
+    quarantined: collections.deque[int] = attrs.Factory(lambda: collections.deque(maxlen=QUARANTINED_NUMBERS))
+    _count: itertools.count = attrs.Factory(lambda: itertools.count(1))
+
+    def line(self, publisher: str) -> Line:
+        return self.lines.setdefault(publisher, Line())
+
+    def default(self) -> str | None:
+        """The line a reader that names none follows."""
+        ready = [p for p, line in self.lines.items() if line.newest is not None]
+        return max(ready or self.lines, key=lambda p: self.lines[p].order, default=None)
+
+    @property
+    def newest(self) -> int | None:
+        """The default line's newest READY version."""
+        default = self.default()
+        return None if default is None else self.lines[default].newest
+
+    @property
+    def announced(self) -> set[int]:
+        return {v for line in self.lines.values() for v in line.announced}
 
     def live(self, version: int | None) -> list[LeaseRecord]:
         now = self.clock.now()
         return [r for r in self.leases.values() if r.lease.version == version and r.live(now)]
 
     def free_slots(self, publisher: str) -> list[int]:
-        """Slots a publisher may write: never the newest READY, never one leased."""
-        held = self.slots[publisher]
-        return [i for i, v in enumerate(held) if v is None or (v != self.newest and not self.live(v))]
+        """Slots a publisher may write: never its line's newest READY, never one leased."""
+        held, newest = self.slots[publisher], self.line(publisher).newest
+        return [i for i, v in enumerate(held) if v is None or (v != newest and not self.live(v))]
 
     def holds(self, version: int) -> bool:
         return any(version in held for held in self.slots.values())
 
     def holds_newest(self, publisher: str) -> bool:
-        return self.newest is not None and self.newest in self.slots[publisher]
+        newest = self.line(publisher).newest
+        return newest is not None and newest in self.slots[publisher]
 
-    def streaming(self) -> list[int]:
-        return [v for v, state in self.states.items() if state is VersionState.STREAMING]
+    def streaming(self, publisher: str | None = None) -> list[int]:
+        """STREAMING versions (of `publisher`'s line, if named)."""
+        return [
+            v
+            for v, state in self.states.items()
+            if state is VersionState.STREAMING and (publisher is None or self.owner.get(v) == publisher)
+        ]
 
     # Each of these is told what the code under test just did, and checks it.
 
     def granted(self, lease: Lease, asked: int | None, streaming: bool = False) -> LeaseRecord:
-        """A plain acquire gets the newest READY version, never a STREAMING one; a
-        streaming acquire the newest that is READY or STREAMING."""
+        """A plain acquire gets the default line's newest READY version, never a
+        STREAMING one; a streaming acquire that line's newest READY or STREAMING one."""
         state = self.states.get(lease.version)
+        default = self.default()
         if streaming:
-            newest = max([*self.streaming(), -1 if self.newest is None else self.newest])
+            newest = max([*(self.streaming(default) if default else []), -1 if self.newest is None else self.newest])
             if asked is None:
                 assert lease.version == newest, (
-                    f"streaming, leased v{lease.version}, but the newest readable is v{newest}"
+                    f"streaming, leased v{lease.version}, but the newest readable is v{newest} (of {default})"
                 )
             assert state in (VersionState.READY, VersionState.STREAMING), f"streaming, leased v{lease.version}: {state}"
             note(f"lease streaming: a {state} version")
@@ -297,29 +338,41 @@ class Model:
             record.released_at = self.clock.now()
 
     def reclaimed(self, version: int) -> None:
-        assert version != self.newest, f"v{version}, the newest READY, was reclaimed"
+        owner = self.owner.get(version)
+        assert owner is None or version != self.line(owner).newest, f"v{version}, {owner}'s newest READY, was reclaimed"
         live = self.live(version)
         assert not live, f"v{version} was reclaimed while live leases hold it: {live}"
         del self.states[version]
+        self.quarantined.append(version)
         for held in self.slots.values():  # its slot holds nothing anyone may read now
             held[:] = [None if v == version else v for v in held]
 
     def begun(self, publisher: str, slot: int, asked: int | None, given: int) -> None:
-        """The registry gave `given` for a version asked as `asked` into `slot`: a number
-        above every one begun before, the one asked whenever that was still free."""
-        assert given > self.highest_begun, f"{publisher} was given v{given}, not above v{self.highest_begun}"
-        if asked is not None and asked > self.highest_begun:
-            assert given == asked, f"{publisher} asked for the free v{asked} and was given v{given}"
+        """The registry gave `given` for a version asked as `asked` into `slot`: above
+        every number its line began before; the one asked whenever that was free (held
+        by no version, and not one just reclaimed), else the next free one after it."""
+        line = self.line(publisher)
+        first = line.order[1] == 0  # its line never began a version
+        assert given > line.highest_begun, f"{publisher} was given v{given}, not above v{line.highest_begun}"
+        start = line.highest_begun + 1 if asked is None or asked <= line.highest_begun else asked
+        if first and asked is None:  # a new line's first "next": after every number begun anywhere
+            start = max(x.highest_begun for x in self.lines.values()) + 1
+        expected = start
+        while expected in self.states or expected in self.quarantined:
+            expected += 1
+        assert given == expected, f"{publisher} asked for v{asked} and was given v{given}, not v{expected}"
         held = self.slots[publisher][slot]
         where = f"slot {slot} of {publisher}"
         if held is not None:
-            assert held != self.newest, f"{where} was begun again while it held v{held}, the newest READY"
+            assert held != line.newest, f"{where} was begun again while it held v{held}, the newest READY"
             live = self.live(held)
             assert not live, f"{where} was begun again while live leases hold its v{held}: {live}"
             assert held not in self.states, f"{where} was begun again while the registry still has its v{held}"
         self.slots[publisher][slot] = given
         self.states[given] = VersionState.WRITING
-        self.highest_begun = given
+        self.owner[given] = publisher
+        line.highest_begun = given
+        line.order = (line.order[0], next(self._count))
 
     def slot_written(self, publisher: str, slot: int, version: int) -> None:
         held = self.slots[publisher][slot]
@@ -348,21 +401,26 @@ class Model:
     def committed(self, version: int, publisher: str, slot: int) -> None:
         held = self.slots[publisher][slot]
         assert held == version, f"v{version} announced in slot {slot} of {publisher}, which holds v{held}"
-        assert not self.announced or version > self.announced[-1], f"v{version} announced after v{self.announced[-1]}"
+        line = self.line(publisher)
+        last = line.announced[-1] if line.announced else None
+        assert last is None or version > last, f"{publisher}'s v{version} announced after its v{last}"
         state = self.states.get(version)
         assert state in (VersionState.WRITING, VersionState.STREAMING), f"v{version} announced while {state}"
         # A streamed version's last buckets may go unmarked (marks are batched): its commit,
         # sent once every copy landed (the publish returned), says the rest.
-        if self.newest is not None:
-            self.states[self.newest] = VersionState.RETIRED
+        if line.newest is not None:  # its own line's alone: another's newest stays READY
+            self.states[line.newest] = VersionState.RETIRED
         self.states[version] = VersionState.READY
-        self.newest = version
-        self.announced.append(version)
+        line.newest = version
+        line.announced.append(version)
+        line.order = (next(self._count), line.order[1])
 
     def withdrawn(self) -> None:
-        assert self.newest is not None
-        self.states[self.newest] = VersionState.RETIRED
-        self.newest = None
+        """The default line's newest READY version was retired."""
+        default = self.default()
+        assert default is not None and self.lines[default].newest is not None
+        self.states[self.lines[default].newest] = VersionState.RETIRED
+        self.lines[default].newest = None
 
 
 # -- observers -----------------------------------------------------------------------------
@@ -600,7 +658,7 @@ class Reader:
     fault: str | None = None  # what its pulls since `World.arm` suffer
     rate: float = 1.0  # its puller's clock: local seconds per second of the world's
     stalls: int = 0  # the world's stalls at `World.arm`
-    applied: int = 0  # the newest version it pulled whole: they only go up
+    applied: dict[str, int] = attrs.Factory(dict)  # per line, the newest version it pulled whole: they only go up
     task: asyncio.Task | None = None  # the state machine's pull in flight
     scope: anyio.CancelScope | None = None
 
@@ -746,8 +804,9 @@ class World:
         elif isinstance(outcome, PublishError) and given is not None:
             # Once begun, a failure leaves an ABORTED record: the injected crash, or a
             # commit refused because another publisher announced a newer version meanwhile.
-            if isinstance(cause(outcome), VersionOrderError):
-                assert self.model.announced and self.model.announced[-1] > given, f"{outcome!r}"
+            if isinstance(cause(outcome), VersionOrderError):  # its own line announced a newer one meanwhile
+                announced = self.model.line(publisher.name).announced
+                assert announced and announced[-1] > given, f"{outcome!r}"
             else:
                 assert crash and isinstance(cause(outcome), RuntimeError) and "injected" in str(cause(outcome)), (
                     f"publish of v{given} raised {outcome!r}"
@@ -815,10 +874,11 @@ class World:
             assert run.tensors == self.model.contents[outcome.version], (
                 f"{reader.name}: the copy of v{outcome.version} is not its bytes"
             )
-            assert outcome.version >= reader.applied, (
-                f"{reader.name}: went back from v{reader.applied} to v{outcome.version}"
+            line = self.model.owner[outcome.version]
+            assert outcome.version >= reader.applied.get(line, 0), (
+                f"{reader.name}: went back from {line}'s v{reader.applied[line]} to v{outcome.version}"
             )
-            reader.applied = outcome.version
+            reader.applied[line] = outcome.version
         elif streamed and aborted:  # a stream that ended ABORTED under the read (or after it failed)
             note(f"pull streamed: aborted under it -> {type(outcome).__name__}")
             explained = (
@@ -881,8 +941,9 @@ class World:
         """Once every reader stopped and every TTL passed, nothing is leased, every slot
         but the newest READY one is reclaimable, and publishing reuses them all."""
         assert (await self.registry.status()).leases == ()
+        newest = {line.newest for line in self.model.lines.values()}
         for version in sorted(self.model.states):
-            if version != self.model.newest:
+            if version not in newest:
                 await PublisherLink(self.registry, self.model).reclaim(version)
         for publisher in self.publishers:
             free = self.model.free_slots(publisher.name)

@@ -196,7 +196,8 @@ async def hoarder(world: World, program: tuple[Hold, ...]) -> None:
         try:
             lease = await link.acquire(ttl=TTL, holder="hoarder", streaming=step.streaming)
         except NoReadyVersionError:
-            assert world.model.newest is None and not (step.streaming and world.model.streaming())
+            default = world.model.default()  # the line a reader naming none follows
+            assert world.model.newest is None and not (step.streaming and default and world.model.streaming(default))
             continue
         await world.clock.sleep(step.hold)
         if step.release:

@@ -8,18 +8,26 @@ onto numbers others ask, shard tombstones far ahead. Publishers also stream vers
 STREAMING) and commit them with the manifest streamed, with digests, or another (refused);
 readers acquire plainly or streaming, and `progress` must say what was marked.
 
+Each publisher's versions are a line of their own: the two publishers race each other's
+numbers and announcements, and neither may make the other's line lose its newest READY
+version, change it, push its numbers past what it asks (but for the numbers it holds),
+or order its announcements.
+
 Each step is one plain call. The machine takes `status` before and after it and holds
 every difference to who acted (`Machine.explain`): nobody changes another principal's
 versions, leases or reports, except as the protocol itself does (a newer announcement
-retires the previous newest READY and supersedes unfinished sharded versions; a
-principal's lapse ends its versions and its reports). A refused act raises
-`PermissionDeniedError` and changes nothing. After every step: the model's leases and
-liveness agree with the registry's, a reader's live lease is valid, and no version of a
-lapsed publisher is WRITING or READY.
+retires the previous newest READY of its own line and supersedes that line's unfinished
+sharded versions; a principal's lapse ends its versions and its reports). A refused act
+raises `PermissionDeniedError` and changes nothing. After every step: the model's leases
+and liveness agree with the registry's, a reader's live lease is valid, no version of a
+lapsed publisher is WRITING or READY, each line holds at most one READY version, and
+the default line (what a reader naming no publisher follows) is the READY line that
+announced last.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +47,7 @@ from weightpull.errors import (
 from weightpull.principals import Principal, root
 from weightpull.records import Lease, RegistryStatus
 from weightpull.registry import RegistryMachine
-from weightpull.registry_machine import MAX_VERSION, MAX_VERSION_JUMP
+from weightpull.registry_machine import MAX_HELD_VERSIONS, MAX_VERSION, MAX_VERSION_JUMP, QUARANTINED_NUMBERS
 
 from .harness import note
 from .profiles import example, fuzz
@@ -72,12 +80,17 @@ class Snap:
     """What `status` says, keyed for comparing: versions (state, publisher, slot, reason),
     live leases (version, holder, expires_in), serving reports and liveness."""
 
-    newest: int | None
+    newest: int | None  # the default line's
     versions: dict[int, tuple[VersionState, str, int, str]]
     leases: dict[str, tuple[int, str, float]]
     serving: dict[str, int]
     alive: dict[str, float]
     committed: dict[int, int]  # a STREAMING version's buckets marked
+
+    @property
+    def ready(self) -> dict[str, int]:
+        """Each line's newest READY version, by owner."""
+        return {root(p): v for v, (state, p, _, _) in self.versions.items() if p and state is VersionState.READY}
 
     @classmethod
     def of(cls, status: RegistryStatus) -> Snap:
@@ -110,8 +123,11 @@ class PrincipalsMachine(RuleBasedStateMachine):
         self.heard: dict[str, float] = {}  # principal name -> when the registry last heard from it
         self.leases: dict[str, LeaseModel] = {}
         self.serving: dict[str, int] = {}
-        self.begun = -1  # the highest number any begin was given
-        self.announced = -1
+        self.begun: dict[str, int] = {}  # owner -> the highest number its line was given
+        self.announced: dict[str, int] = {}  # owner -> the highest number its line announced
+        self.order: dict[str, tuple[int, int]] = {}  # owner -> (its last announcement, its last begin), counted
+        self.count = 0
+        self.quarantined: collections.deque[int] = collections.deque(maxlen=QUARANTINED_NUMBERS)
         self.steps = dict.fromkeys(PUBLISHERS, 0)  # each publisher's training step
         self.sharded: dict[tuple[str, int], int] = {}  # (publisher, step asked) -> the number its shards got
         self.rank_slots: dict[str, int] = {}  # the last slot each rank wrote
@@ -121,12 +137,16 @@ class PrincipalsMachine(RuleBasedStateMachine):
         self.manifests: dict[int, Manifest] = {}  # what each version streamed or committed
         self.marks: dict[int, int] = {}  # a streamed version's buckets marked
         self.snap = self.look()
+        self.snap_before_act = self.snap  # what the last act saw before it ran
 
     # -- the model's view ------------------------------------------------------------------
 
     def look(self) -> Snap:
         """`status` as an admin (which judges liveness first, and renews nobody's)."""
         snap = Snap.of(self.m.status())
+        for v in [v for v in self.manifests if v not in snap.versions]:  # reclaimed: another line may reuse it
+            del self.manifests[v]
+            self.marks.pop(v, None)
         if "serving-comes-back" not in AWAITING_FIX:
             for replica in [r for r in self.serving if self.dead(root(r))]:  # a lapsed reader's reports go
                 del self.serving[replica]
@@ -161,7 +181,7 @@ class PrincipalsMachine(RuleBasedStateMachine):
         """`call(principal)` as `who`; then every change to the registry must be one that
         `who` may make. Returns what it returned or the error it raised."""
         by = PRINCIPALS[who]
-        before = self.snap
+        before = self.snap_before_act = self.snap
         try:
             outcome = call(by)
         except PermissionDeniedError as exc:
@@ -188,7 +208,12 @@ class PrincipalsMachine(RuleBasedStateMachine):
         admin = by is not None and by.is_admin
         what = f"{who or 'time'}'s {op}" + (" (refused)" if refused else "")
         now = self.clock.now()
-        announced = after.newest is not None and after.newest != before.newest
+        # The line that announced, if one did: its own newest READY changed to a newer one.
+        announced = {o for o, v in after.ready.items() if v != before.ready.get(o) and v > before.ready.get(o, -1)}
+        for v in sorted(before.versions.keys() - after.versions.keys()):  # reclaimed: its number rests
+            superseded = not before.versions[v][1] and announced and v < max(after.ready[o] for o in announced)
+            if not superseded:  # (a tombstone superseded is no version: its number is free at once)
+                self.quarantined.append(v)
         for v in sorted(before.versions.keys() | after.versions.keys()):
             b, a = before.versions.get(v), after.versions.get(v)
             if b == a:
@@ -202,13 +227,13 @@ class PrincipalsMachine(RuleBasedStateMachine):
                 continue  # a lapsed principal heard from again: its dead versions go
             if not publisher and b is None and by is not None and not refused and op == "abort a shard by number":
                 continue  # a shard's tombstone (no publisher yet)
-            if announced and b is not None and a is not None:
-                if (b[0], a[0]) == (VersionState.READY, VersionState.RETIRED) and v == before.newest:
-                    continue  # retired by a newer announcement
+            if owner in announced and b is not None and a is not None:
+                if (b[0], a[0]) == (VersionState.READY, VersionState.RETIRED) and v == before.ready.get(owner):
+                    continue  # retired by a newer announcement of its own line
                 if (b[0], a[0]) == (VersionState.WRITING, VersionState.ABORTED) and "superseded" in a[3]:
-                    continue  # an unfinished sharded version superseded
-            if announced and a is None and b is not None and not b[1] and v < after.newest:
-                continue  # a tombstone superseded
+                    continue  # an unfinished sharded version of its own line superseded
+            if announced and a is None and b is not None and not b[1] and v < max(after.ready[o] for o in announced):
+                continue  # a tombstone superseded (an admin's stands for any line)
             if by is None and self.dead(owner) and b is not None and a is not None:
                 if (b[0], a[0]) in (
                     (VersionState.WRITING, VersionState.ABORTED),
@@ -226,15 +251,19 @@ class PrincipalsMachine(RuleBasedStateMachine):
                 owner = root(after.versions[v][1])
                 ok = by is not None and not refused and op == "mark" and (admin or owner == who)
                 assert ok, f"{what} moved v{v}'s marks {before.committed[v]} -> {after.committed[v]}"
-        if before.newest is not None and after.newest != before.newest:
-            owner = root(before.versions[before.newest][1])
-            if after.newest is None:  # withdrawn: by its owner or an admin, or its owner lapsed
-                ok = (by is not None and not refused and op == "retire" and (admin or owner == who)) or (
-                    by is None and self.dead(owner)
-                )
-                assert ok, f"{what} withdrew v{before.newest}, the newest READY of {owner!r}, which lives"
+        # A line's newest READY changes by its owner's (or an admin's) act alone, or by its
+        # owner's lapse: nobody else can make its readers lose it, or read another's instead.
+        for owner in before.ready.keys() | after.ready.keys():
+            b_new, a_new = before.ready.get(owner), after.ready.get(owner)
+            if b_new == a_new:
+                continue
+            own = by is not None and not refused and (admin or owner == who)
+            if a_new is None:  # withdrawn: by its owner or an admin, or its owner lapsed
+                ok = (own and op == "retire") or (by is None and self.dead(owner))
+                assert ok, f"{what} withdrew v{b_new}, the newest READY of {owner!r}, which lives"
             else:
-                assert after.newest > before.newest, f"{what} made v{after.newest} the newest after v{before.newest}"
+                assert own, f"{what} made v{a_new} the newest READY of {owner!r} (was v{b_new})"
+                assert b_new is None or a_new > b_new, f"{what} made {owner!r}'s v{a_new} its newest after v{b_new}"
         for lease_id, (version, holder, expires_in) in before.leases.items():
             mine = by is not None and not refused and by.owns(holder)
             if mine:
@@ -268,6 +297,24 @@ class PrincipalsMachine(RuleBasedStateMachine):
     def was_dead(self, name: str, before: Snap) -> bool:
         return before.alive.get(name, 1.0) <= 0
 
+    def began(self, owner: str, number: int) -> None:
+        self.count += 1
+        self.begun[owner] = number
+        self.order[owner] = (self.order.get(owner, (0, 0))[0], self.count)
+
+    def announce(self, owner: str, number: int) -> None:
+        assert number > self.announced.get(owner, -1), f"{owner}'s v{number} announced after v{self.announced[owner]}"
+        self.count += 1
+        self.announced[owner] = number
+        self.order[owner] = (self.count, self.order.get(owner, (0, 0))[1])
+
+    def default_line(self) -> str | None:
+        """The line a reader naming none follows: of those with a READY version, the one
+        that announced last; while none has one, the one that announced, else began, last."""
+        ready = self.snap.ready
+        lines = [o for o in self.order if o in ready] or list(self.order)
+        return max(lines, key=lambda o: self.order[o], default=None)
+
     # -- setup -----------------------------------------------------------------------------
 
     @initialize()
@@ -289,7 +336,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
         asking for its next step, nothing, a number others took, or one far ahead."""
         self.steps[who] += 1
         admin = admin and ask not in ("too-far", "last")  # an admin may lock everyone out; not tried
-        following = self.begun + 1
+        line = self.begun.get(who, -1)
+        following = line + 1
         asked = {
             "none": None,
             "step": self.steps[who],
@@ -300,22 +348,39 @@ class PrincipalsMachine(RuleBasedStateMachine):
             "last": MAX_VERSION,
         }[ask]
         slot = self.free_slot(who)
-        free = asked is not None and asked > self.begun and asked not in self.snap.versions
-        beyond = asked is not None and free and asked - following > MAX_VERSION_JUMP and not admin
+        # Free: above its line's numbers, held by no one, and not one of the numbers
+        # reclaimed last (they rest before any line takes them: its own lapsed versions,
+        # dropped as it comes back, among them).
+        free = asked is not None and asked > line and asked not in self.snap.versions and asked not in self.quarantined
+        beyond = asked is not None and asked > line and asked - following > MAX_VERSION_JUMP and not admin
+        full = not admin and len(self.versions(who)) >= MAX_HELD_VERSIONS
         outcome = self.act(
             "admin" if admin else who,
             "begin",
             lambda by: self.m.begin(asked, publisher=who, slot=slot, by=by),
             heard=who,  # a begin keeps its publisher alive, an admin's too
         )
+        if full:
+            assert isinstance(outcome, InvalidArgumentError) and "not reclaimed" in str(outcome), f"{outcome!r}"
+            return
         if beyond:
             assert isinstance(outcome, InvalidArgumentError) and "past the next" in str(outcome), f"{outcome!r}"
             return
         assert isinstance(outcome, int), f"{who}'s begin asking v{asked} into its free slot {slot} failed: {outcome!r}"
-        assert outcome > self.begun, f"{who} was given v{outcome}, not above v{self.begun} begun before"
+        before = self.snap_before_act
+        # What the begin found held: the versions before it, less its own lapsed line's,
+        # which a principal heard from again drops first.
+        held = {v for v in before.versions if v in self.snap.versions and v != outcome} | set(self.quarantined)
+        assert outcome > line, f"{who} was given v{outcome}, not above v{line} its line began before"
+        assert outcome not in before.versions or self.was_dead(who, before), f"{who} was given v{outcome}, taken"
         if free:
             assert outcome == asked, f"{who} asked for the free v{asked} and was given v{outcome}"
-        self.begun = outcome
+        else:  # the next free number from where it asked: others' versions skipped, no more
+            start = following if asked is None or asked < following else asked
+            if asked is None and line < 0:  # a new line's first "next": after every number begun anywhere
+                start = max(self.begun.values(), default=-1) + 1
+            assert all(n in held for n in range(start, outcome)), f"{who} asked v{asked}, was given v{outcome}"
+        self.began(who, outcome)
 
     @rule(who=st.sampled_from(PUBLISHERS), index=st.integers(0, 1), again=st.booleans())
     def begin_a_shard(self, who: str, index: int, again: bool) -> None:
@@ -332,8 +397,9 @@ class PrincipalsMachine(RuleBasedStateMachine):
         ):
             return
         known = self.sharded.get((who, step))
-        if known not in self.snap.versions or self.dead(who):  # reclaimed, or dropped as it comes back
-            known = None
+        held = self.snap.versions.get(known) if known is not None else None
+        if held is None or root(held[1]) != who or self.dead(who):  # reclaimed (its number maybe another's now),
+            known = None  # or dropped as it comes back
         outcome = self.act(
             who, "begin a shard", lambda by: self.m.begin(step, publisher=publisher, slot=slot, shard=(index, 2), by=by)
         )
@@ -342,9 +408,13 @@ class PrincipalsMachine(RuleBasedStateMachine):
             return
         if isinstance(outcome, VersionStateError) and (who, step) in self.given_up:
             return  # the trainer's own shard gave up on this step before any began it
+        if isinstance(outcome, InvalidArgumentError) and "not reclaimed" in str(outcome):
+            assert len(self.versions(who)) >= MAX_HELD_VERSIONS, f"{outcome!r}"
+            return
         assert isinstance(outcome, int), f"{who}'s shard {index} asking v{step} failed: {outcome!r}"
-        assert outcome > self.begun, f"{who} was given v{outcome}, not above v{self.begun} begun before"
-        self.begun = outcome
+        line = self.begun.get(who, -1)
+        assert outcome > line, f"{who} was given v{outcome}, not above v{line} its line began before"
+        self.began(who, outcome)
         self.sharded[(who, step)] = outcome
 
     @rule(who=st.sampled_from(PUBLISHERS), n=picks, far=st.sampled_from([0, 1, MAX_VERSION_JUMP, MAX_VERSION]))
@@ -354,7 +424,7 @@ class PrincipalsMachine(RuleBasedStateMachine):
         if "tombstone-numbering" in AWAITING_FIX and far == MAX_VERSION:
             far = MAX_VERSION_JUMP
         asked = far if far > 1 else self.steps[who] + 1 + far
-        if "tombstone-numbering" in AWAITING_FIX and asked <= max([self.begun, *self.tombs]):
+        if "tombstone-numbering" in AWAITING_FIX and asked <= max([self.begun.get(who, -1), *self.tombs]):
             return
         self.given_up.add((who, asked))
         before = self.snap
@@ -363,7 +433,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
             self.tombs[v] = who
             self.tomb_asked[v] = asked
             if "tombstone-numbering" not in AWAITING_FIX:  # numbered as a begin is, though not counted as begun
-                assert v > self.begun, f"a tombstone took v{v}, not above v{self.begun} begun before"
+                line = self.begun.get(who, -1)
+                assert v > line, f"a tombstone took v{v}, not above v{line} its line began before"
 
     @rule(who=st.sampled_from(PUBLISHERS), n=picks)
     def commit(self, who: str, n: int) -> None:
@@ -374,11 +445,11 @@ class PrincipalsMachine(RuleBasedStateMachine):
         manifest = Manifest(v, LAYOUT, "fake", b"d", slot, publisher)
         outcome = self.act(who, "commit", lambda by: self.m.commit(manifest, by=by))
         if outcome is None:
-            assert v > self.announced, f"v{v} announced after v{self.announced}"
-            self.announced = v
+            self.announce(who, v)
             self.manifests[v] = manifest
-        else:
-            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"commit of v{v}: {outcome!r}"
+        else:  # ordered within its own line alone
+            last = self.announced.get(who, -1)
+            assert isinstance(outcome, VersionOrderError) and v < last, f"commit of v{v} after v{last}: {outcome!r}"
 
     @rule(who=st.sampled_from(PUBLISHERS), n=picks, op=st.sampled_from(["abort", "retire", "reclaim"]))
     def end(self, who: str, n: int, op: str) -> None:
@@ -409,7 +480,8 @@ class PrincipalsMachine(RuleBasedStateMachine):
             assert self.snap.versions[v][0] is VersionState.STREAMING
             self.manifests[v], self.marks[v] = manifest, 0
         else:  # only an older version than one announced is refused
-            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"stream of v{v}: {outcome!r}"
+            last = self.announced.get(who, -1)  # of its own line
+            assert isinstance(outcome, VersionOrderError) and v < last, f"stream of v{v} after v{last}: {outcome!r}"
             assert self.snap.versions[v][0] is VersionState.WRITING
 
     @rule(
@@ -484,12 +556,12 @@ class PrincipalsMachine(RuleBasedStateMachine):
             assert isinstance(outcome, InvalidArgumentError), f"v{v} committed another manifest: {outcome!r}"
             assert self.snap.versions[v][0] is VersionState.STREAMING and self.snap.committed[v] == self.marks[v]
         elif outcome is None:
-            assert v > self.announced, f"v{v} announced after v{self.announced}"
-            self.announced = v
+            self.announce(who, v)
             self.manifests[v] = manifest
             assert self.m.get(v) == manifest, f"v{v} READY with {self.m.get(v)}, not the manifest committed"
         else:
-            assert isinstance(outcome, VersionOrderError) and v < self.announced, f"commit of v{v}: {outcome!r}"
+            last = self.announced.get(who, -1)
+            assert isinstance(outcome, VersionOrderError) and v < last, f"commit of v{v} after v{last}: {outcome!r}"
 
     # -- readers ---------------------------------------------------------------------------
 
@@ -498,32 +570,42 @@ class PrincipalsMachine(RuleBasedStateMachine):
         mirror=st.integers(0, 2),
         ttl=st.sampled_from([1.0, 5.0, 15.0]),
         streaming=st.booleans(),
+        follows=st.sampled_from([None, *PUBLISHERS]),
     )
-    def acquire(self, who: str, mirror: int, ttl: float, streaming: bool) -> None:
-        """A reader leases the newest READY version; streaming, the newest READY or STREAMING."""
+    def acquire(self, who: str, mirror: int, ttl: float, streaming: bool, follows: str | None) -> None:
+        """A reader leases the newest READY version of the line it follows (`follows`: a
+        publisher's, or None: the default line); streaming, that line's newest READY or
+        STREAMING one. Another line's versions are never handed to it."""
         holder = who if mirror == 0 else f"{who}/mirror{mirror}"
         before = self.snap
+        line = follows or self.default_line()
         outcome = self.act(
-            who, "acquire", lambda by: self.m.acquire(ttl=ttl, holder=holder, by=by, streaming=streaming)
+            who,
+            "acquire",
+            lambda by: self.m.acquire(ttl=ttl, holder=holder, by=by, streaming=streaming, publisher=follows),
         )
         # What was readable as it was asked: the snapshot before, less what its asker's call
         # swept (nothing of a reader's; time did not pass).
-        readable = [v for v in self.versions(None, (VersionState.STREAMING,)) if streaming] + [
-            v for v in [self.snap.newest] if v is not None
+        newest = self.snap.ready.get(line) if line else None
+        readable = [v for v in self.versions(line, (VersionState.STREAMING,)) if streaming and line] + [
+            v for v in [newest] if v is not None
         ]
         if isinstance(outcome, Lease):
             assert outcome.version == max(readable), (
-                f"{'a streaming' if streaming else 'a plain'} acquire got v{outcome.version}, not v{max(readable)}"
+                f"{'a streaming' if streaming else 'a plain'} acquire following {line!r} got v{outcome.version}, "
+                f"not v{max(readable)}"
             )
-            state = self.snap.versions[outcome.version][0]
+            state, publisher, _, _ = self.snap.versions[outcome.version]
+            assert root(publisher) == line, f"a reader following {line!r} was handed {publisher!r}'s v{outcome.version}"
             assert state is VersionState.READY or (streaming and state is VersionState.STREAMING), (
                 f"{'a streaming' if streaming else 'a plain'} acquire got v{outcome.version}, {state}"
             )
             self.leases[outcome.id] = LeaseModel(outcome)
-            if state is VersionState.STREAMING:
-                note("acquire: a STREAMING version")
+            note(
+                f"acquire{' named' if follows else ''}: {'a STREAMING version' if state is VersionState.STREAMING else 'READY'}"
+            )
         else:
-            assert not readable, f"acquire found nothing readable among {before.versions}: {outcome!r}"
+            assert not readable, f"acquire following {line!r} found nothing among {before.versions}: {outcome!r}"
 
     @rule(who=st.sampled_from(READERS), n=picks, op=st.sampled_from(["renew", "release"]))
     def renew_or_release(self, who: str, n: int, op: str) -> None:
@@ -578,7 +660,10 @@ class PrincipalsMachine(RuleBasedStateMachine):
             attempt = ("commit", lambda by: self.m.commit(Manifest(v, LAYOUT, "fake", b"x", slot, publisher), by=by))
         elif act == 4:
             target = who if by.role.value == "reader" else victim
-            attempt = ("begin", lambda by: self.m.begin(self.begun + 1, publisher=target, slot=99, by=by))
+            attempt = (
+                "begin",
+                lambda by: self.m.begin(self.begun.get(target, -1) + 1, publisher=target, slot=99, by=by),
+            )
         elif act == 5 and lease_id is not None:
             version, holder, _ = self.snap.leases[lease_id]
             forged = Lease(lease_id, version, holder, 1.0, 0.0)
@@ -665,8 +750,13 @@ class PrincipalsMachine(RuleBasedStateMachine):
                 assert state not in ALIVE_STATES, f"v{v} of {owner!r}, lapsed, is still {state} ({reason})"
         if snap.newest is not None:
             assert snap.versions[snap.newest][0] is VersionState.READY
-        ready = [v for v, (state, *_) in snap.versions.items() if state is VersionState.READY]
-        assert ready == ([] if snap.newest is None else [snap.newest]), f"READY: {ready}, newest {snap.newest}"
+        ready = [(root(p), v) for v, (state, p, _, _) in snap.versions.items() if state is VersionState.READY]
+        owners = [o for o, _ in ready]
+        assert len(owners) == len(set(owners)), f"a line holds two READY versions: {ready}"
+        default = self.default_line()
+        assert snap.newest == snap.ready.get(default) if default else snap.newest is None, (
+            f"the default line is {default!r} (announced and begun: {self.order}), yet newest is v{snap.newest}"
+        )
         # A stream's progress: the buckets marked while STREAMING, all once READY or
         # RETIRED, none otherwise; marks only grow and never pass the buckets.
         for v, (state, *_) in snap.versions.items():

@@ -63,7 +63,7 @@ class Streamer:
     """A trainer whose streams the rules drive by hand: each bucket lands in its slot and
     is marked when a rule says, so readers and relays meet every interleaving."""
 
-    name = "streamer"
+    name = "trainer/stream"  # below the trainer's name: the same line of versions as its publishes
     LAYOUT = plan_layout([TensorSpec(f"t{i}", "uint8", (n,)) for i, n in enumerate(SIZES)], bucket_bytes=1024)
 
     def __init__(self, registry: InProcessRegistry, fabric: FakeFabric, clock: FakeClock) -> None:
@@ -164,6 +164,7 @@ class RelayMachine(RuleBasedStateMachine):
             digests=True,
             num_slots=3,
             when_full=WhenFull.SKIP,
+            name="trainer",
             clock=self.clock,
         )
         self.version = 0
