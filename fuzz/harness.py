@@ -30,11 +30,13 @@ from weightpull import (
     NoFreeSlotError,
     NoProgressError,
     NoReadyVersionError,
+    PeerGoneError,
     Publisher,
     PublishError,
     PublishResult,
     Pulled,
     Puller,
+    RegionNotRegisteredError,
     Registry,
     SlotState,
     SlotWaitTimeoutError,
@@ -259,6 +261,7 @@ class Model:
     buckets: dict[int, int] = attrs.Factory(dict)  # a streamed version's bucket count
     marks: dict[int, int] = attrs.Factory(dict)  # a streamed version's buckets marked so far
     aborted: set[int] = attrs.Factory(set)  # versions whose publish failed once begun
+    gone: set[int] = attrs.Factory(set)  # versions whose slot's memory died with their publisher's process
     # The numbers reclaimed last, which no line may take yet.
     quarantined: collections.deque[int] = attrs.Factory(lambda: collections.deque(maxlen=QUARANTINED_NUMBERS))
     _count: itertools.count = attrs.Factory(lambda: itertools.count(1))
@@ -755,6 +758,21 @@ class World:
 
     # -- publishing ------------------------------------------------------------------------
 
+    async def restart(self, publisher: Publisher) -> Publisher:
+        """The trainer's process dies between publishes and comes back under its name, well
+        within any liveness TTL: its slots' memory is gone (readers of its versions now
+        fail), and the new process must take up the slots the registry still records in
+        its name (reclaiming each before writing it again) and go on publishing."""
+        await publisher.aclose()  # its memory, deregistered
+        self.model.gone |= {v for v in self.model.slots[publisher.name] if v is not None}
+        restarted = self._publisher(publisher.name, len(publisher.slots))
+        restarted.adapter.seconds, restarted.stream = publisher.adapter.seconds, publisher.stream
+        self.publishers[self.publishers.index(publisher)] = restarted
+        if self.publisher is publisher:
+            self.publisher = restarted
+        note("trainer restarted")
+        return restarted
+
     async def publish(
         self, layout: str, when_full: WhenFull, crash: bool = False, publisher: Publisher | None = None
     ) -> PublishResult | WeightpullError:
@@ -910,9 +928,11 @@ class World:
             assert idle >= STALL - EPS, (
                 f"{reader.name}: {outcome!r}, though reads landed at most {idle} s apart (its clock at x{reader.rate:g})"
             )
-        elif failed:
+        elif failed and isinstance(outcome, TransportError) and "injected" in str(outcome):
             note("pull: failed read")
-            assert isinstance(outcome, TransportError) and "injected" in str(outcome), f"{reader.name}: {outcome!r}"
+        elif record.lease.version in self.model.gone:  # its publisher restarted: the slot's memory went with it
+            note(f"pull: its publisher restarted -> {type(outcome).__name__}")
+            assert isinstance(outcome, (RegionNotRegisteredError, PeerGoneError)), f"{reader.name}: {outcome!r}"
         else:
             raise AssertionError(f"{reader.name}: a pull whose lease held and met no fault failed: {outcome!r}")
 

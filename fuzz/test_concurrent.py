@@ -18,7 +18,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightpull import NoReadyVersionError, Publisher, TornReadError, VersionWaitTimeoutError, WhenFull
+from weightpull import (
+    NoReadyVersionError,
+    PeerGoneError,
+    Publisher,
+    RegionNotRegisteredError,
+    TornReadError,
+    VersionWaitTimeoutError,
+    WhenFull,
+)
 
 from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, READER_RATES, TTL, Hang, World, autojump, note
 from .profiles import example, fuzz
@@ -36,6 +44,7 @@ class Publish:
     when_full: WhenFull
     crash: bool = False  # the copy into the slot fails halfway
     withdraw: bool = False  # then withdraw the newest READY version
+    restart: bool = False  # first the trainer's process dies and comes back under its name
 
 
 @attrs.frozen
@@ -95,6 +104,7 @@ publishes = st.builds(
     st.sampled_from(WhenFull),
     st.integers(0, 5).map(lambda n: n == 0),
     st.integers(0, 7).map(lambda n: n == 0),
+    st.integers(0, 9).map(lambda n: n == 0),
 )
 pauses = st.tuples(half_seconds, half_seconds.map(lambda s: 2 * s))
 pulls = st.builds(
@@ -141,6 +151,8 @@ async def trainer(
     publisher.stream = stream
     for step in program:
         await world.clock.sleep(step.pause)
+        if step.restart:
+            publisher = await world.restart(publisher)
         await world.publish(step.layout, step.when_full, step.crash, publisher)
         if step.withdraw and world.model.newest is not None:
             await world.withdraw()
@@ -240,6 +252,10 @@ async def borrower(world: World, program: tuple[Borrow, ...]) -> None:
                     f"v{record.lease.version}'s borrow rejected, its lease whole and its stream not ended: {exc}"
                 )
                 note("borrow: rejected, its stream ended unfinished" if ended else "borrow: rejected, its lease lapsed")
+            elif isinstance(exc, (RegionNotRegisteredError, PeerGoneError)) and granted:
+                (record,) = granted
+                assert record.lease.version in world.model.gone, f"v{record.lease.version}'s slot gone: {exc!r}"
+                note("borrow: its publisher restarted")
             else:
                 raise exc from None
         else:
