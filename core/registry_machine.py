@@ -26,7 +26,9 @@ its announcements are ordered among themselves alone: no other principal can mak
 line's readers lose its newest version or read another's in its place. A reader names
 the line it follows (`publisher=`, an owner's name); one that names none follows the
 registry's default line: of the lines with a READY version, the one that announced last
-(every version's line, where one principal publishes).
+(every version's line, where one principal publishes). The shards of one version are
+one line: an admin (an embedded registry's process) that writes them under names of
+several roots keeps them in the line of the first, from then on.
 
 Liveness (with `liveness_ttl`): every principal that is heard from (any operation, or a
 `keepalive` naming the names it owns) stays alive for `liveness_ttl` seconds. When a
@@ -164,6 +166,8 @@ class RegistryMachine:
         self._versions: dict[int, _Version] = {}
         self._lease_index: dict[str, int] = {}  # lease id -> version
         self._lines: dict[str, _Line] = {}  # owner -> its line
+        # An admin's shard publisher of one root that joined a version of another's line -> that line
+        self._joined: dict[str, str] = {}
         self._dropped: collections.deque[int] = collections.deque(maxlen=QUARANTINED_NUMBERS)
         self._quarantined: set[int] = set()  # the same, to look up
         self._begins = itertools.count(1)
@@ -205,6 +209,14 @@ class RegistryMachine:
             return self._lines.get(check_name("publisher", publisher))
         ready = [line for line in self._lines.values() if line.newest is not None]
         return max(ready or self._lines.values(), key=lambda line: (line.announced_at, line.begun_at), default=None)
+
+    def _joined_line(self, name: str) -> str:
+        """The line an admin's versions under `name` go to: its own, or, once its shards
+        joined a version of another's line (the ranks of one trainer named apart), that one."""
+        seen = {name}
+        while (name := self._joined.get(name, name)) not in seen:
+            seen.add(name)
+        return name
 
     def _line(self, owner: str) -> _Line:
         line = self._lines.get(owner)
@@ -250,10 +262,14 @@ class RegistryMachine:
         asked = None if version is None else check_int("version", version)
         index, count = check_shard(*shard) if shard is not None else (0, 0)
         owner = self._check_publisher(by, "begin", publisher)
+        if by.is_admin:
+            owner = self._joined_line(owner)
         self._touch(owner)  # an admin's publisher has liveness too, from its first begin
         joining = None if shard is None or asked is None else self._find_sharded(None if by.is_admin else owner, asked)
         if joining is not None:
             assert joining.shards is not None
+            if by.is_admin and joining.owner != owner:  # shards of one version are one line, from now on
+                self._joined[owner] = joining.owner
             if joining.state is not VersionState.WRITING:
                 raise VersionStateError(
                     f"version {joining.version} is {joining.state} ({joining.reason}); shard {index} cannot join it"
