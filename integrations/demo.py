@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from weightpull.drivers.faulty import FaultyTransport
 
 IN_PROCESS_DRIVERS = frozenset({"fake"})  # drivers whose peers share one process: replicas stay in it
+TRAINER = "trainer"  # the trainer's publisher name: the line of versions every replica follows
 
 HIDDEN = 1024
 LAYERS = 8
@@ -171,13 +172,14 @@ async def replica_loop(
     slow, torn = index == SLOW, index == TORN and cfg.tear
     faults, last = transport.faults, cfg.versions
     # The torn reader freezes for half a TTL: past its own short lease, not the others'.
-    puller = Puller(registry, transport, holder=report.name, ttl=cfg.ttl / 4 if torn else cfg.ttl)
+    # Each replica follows the trainer's line of versions by name (docs/registry-service.md#threat-model).
+    puller = Puller(registry, transport, holder=report.name, ttl=cfg.ttl / 4 if torn else cfg.ttl, publisher=TRAINER)
     try:
         while not report.applied or report.applied[-1] < last:
             # After its first version, the slow replica updates only once two versions
             # behind (an agent's min_version_lag=2): it skips versions at any trainer pace.
             lag = 2 if slow and report.applied else 1
-            newest = await registry.wait_for_version(min((report.applied or [0])[-1] + lag, last))
+            newest = await registry.wait_for_version(min((report.applied or [0])[-1] + lag, last), publisher=TRAINER)
             if slow:  # each pull outlasts the TTL: the lease must be renewed to finish it
                 faults.bandwidth = newest.nbytes / (1.25 * cfg.ttl)
             # Torn at the last version, which stays newest: the retry gets it, so replica 0
@@ -327,7 +329,7 @@ async def run_demo(cfg: DemoConfig, stream: TextIO = sys.stderr) -> dict[str, An
     in_process = cfg.transport in IN_PROCESS_DRIVERS
     registry, server, env = _registry(cfg, in_process)
     publisher = Publisher(
-        registry, create_transport(cfg.transport), num_slots=cfg.num_slots, name="trainer", bucket_bytes=32 << 20
+        registry, create_transport(cfg.transport), num_slots=cfg.num_slots, name=TRAINER, bucket_bytes=32 << 20
     )
     truth: dict[int, str] = {}
     block_ms: list[float] = []

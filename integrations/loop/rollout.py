@@ -40,7 +40,7 @@ async def run(cfg: LoopConfig, paths: Paths, index: int, address: str, out: Any 
     keys = {"key": str(paths.keys / f"{name}.key_secret"), "server_key": str(paths.keys / "registry.key")}
     ledger = Ledger.open(paths.ledger, max_inflight=cfg.max_inflight)
     registry = connect_registry(address, **keys)
-    spec = PullSpec(address, name, transport="nixl", registry_options=keys)
+    spec = PullSpec(address, name, transport="nixl", registry_options=keys, publisher="trainer")  # its line
     inflight: set[str] = set()
     stats: dict[str, Any] = {"name": name, "pid": os.getpid(), "completed": 0, "aborted": 0, "late": 0}
 

@@ -121,8 +121,13 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
                 # The torn reader freezes for half a TTL: past its own short lease (a quarter).
                 torn = i == 0 and cfg.tear
                 faults = {"tear_reads": 1, "freeze": cfg.ttl / 2} if torn else None
-                spec = PullSpec(
-                    address, name, transport=cfg.transport, ttl=cfg.ttl / 4 if torn else cfg.ttl, faults=faults
+                spec = PullSpec(  # following the trainer's line of versions by name
+                    address,
+                    name,
+                    transport=cfg.transport,
+                    ttl=cfg.ttl / 4 if torn else cfg.ttl,
+                    faults=faults,
+                    publisher="trainer",
                 )
                 mode = (PauseMode.ABORT, PauseMode.WAIT)[i % 2]
                 async with open_replica(
