@@ -119,9 +119,9 @@ test-plan:
 fuzz-long: setup
 	WEIGHTPULL_FUZZ=long WEIGHTPULL_FUZZ_MINUTES=$${WEIGHTPULL_FUZZ_MINUTES:-30} $(BIN)/python -m pytest -q fuzz
 
-# docs/states.md is drawn from the transition tables; a test fails when it drifts.
+# docs/reference/states.md is drawn from the transition tables; a test fails when it drifts.
 docs: setup
-	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/states.md
+	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/reference/states.md
 
 clean:
 	rm -rf $(VENV) $(TORCH_VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -567,7 +567,7 @@ class Puller:
         publishes, and a version of another line is refused (`VersionNotFoundError`).
         None follows the registry's default line: where one principal publishes, every
         version; else the line that announced last, whoever's it is: name the publisher
-        wherever another may publish ([threat model](docs/registry-service.md#threat-model)).
+        wherever another may publish ([threat model](docs/guides/registry-service.md#threat-model)).
 
         With `relay` (needs `host` and `stream`), each pull offers the mirror to other
         replicas while it is still filling (`offer` with `relay_cap`): once its first
@@ -1154,7 +1154,7 @@ class Puller:
         relay. Needs `host`. Until the next pull, the mirror is theirs to read too: that
         pull first withdraws the offer and waits until no lease reads from it (the same
         rule as a trainer's slot), so a replica that relays and keeps pulling should give
-        its relay a buffer of its own (docs/fanout.md). Returns the version offered."""
+        its relay a buffer of its own (docs/guides/fanout.md). Returns the version offered."""
         if self.host is None:
             raise InvalidArgumentError("only a puller made with host= offers its mirror as a relay")
         if self.mirror is None or self.mirror_version is None:

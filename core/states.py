@@ -1,7 +1,7 @@
 """The three state machines of weightpull, as transition tables in one place.
 
 Nothing else decides which event a state allows: the registry, the publisher and the
-docs (`make docs` writes docs/states.md) all read these tables, each through its typed
+docs (`make docs` writes docs/reference/states.md) all read these tables, each through its typed
 `Machine` (`VERSION`, `LEASE`, `SLOT`). An event a
 state does not allow raises `InvalidTransitionError`, naming the machine, state and event.
 """
@@ -208,7 +208,7 @@ _WHO_FIRES = {
 
 
 def markdown() -> str:
-    """docs/states.md, generated so that the docs cannot drift from the tables."""
+    """docs/reference/states.md, generated so that the docs cannot drift from the tables."""
     parts = [
         "# State machines",
         "",

@@ -178,7 +178,7 @@ class NixlTransport(RegionTable, Transport):
     ) -> None:
         """`pinned` allocates host memory page-locked (through torch), for fast copies to a
         GPU afterwards. `threads` > 1 posts that many transfers at once, each on its own
-        UCX worker (it did not pay on the machines measured; see docs/transports.md).
+        UCX worker (it did not pay on the machines measured; see docs/guides/transports.md).
         `progress_interval` is how often `serve()` polls the agent."""
         if not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(f"threads must be a positive int, got {threads!r}")

@@ -181,7 +181,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
 
 
 def _demo_loop(args: argparse.Namespace) -> int:
-    """`demo --engine vllm --trainer fsdp`: the decoupled RL loop (docs/loop.md)."""
+    """`demo --engine vllm --trainer fsdp`: the decoupled RL loop (docs/guides/loop.md)."""
     from weightpull.integrations.loop.demo import run
     from weightpull.integrations.loop.settings import LoopConfig
 
@@ -521,7 +521,7 @@ def _old_bench_spelling(argv: list[str]) -> list[str]:
         return argv
     _say(
         f"warning: `{old}` is deprecated and goes in a later release: write `{new}` "
-        "(docs/benchmarks.md#moving-from-the-old-commands)"
+        "(docs/guides/benchmarks.md#moving-from-the-old-commands)"
     )
     return argv
 
@@ -691,7 +691,7 @@ def _bench_parser(sub: Any) -> None:
         help="measure weightpull against the machine's limits: pull, model, gpu, fsdp, registry, fanout, sharded",
         description="Each figure weightpull publishes about itself, measured beside the machine's own "
         "limits in the same run. Every copy is checked; a bench exits 1 if one is wrong. GB/s are "
-        "10^9 bytes/s; progress goes to stderr (docs/benchmarks.md).",
+        "10^9 bytes/s; progress goes to stderr (docs/guides/benchmarks.md).",
         epilog="The spellings of earlier releases still run for one more release, with a warning: "
         "`bench [--preset ...]` (now bench model), `bench --size ...` (bench pull), `registry bench` "
         "(bench registry).",
@@ -704,7 +704,7 @@ def _bench_parser(sub: Any) -> None:
         description="A publisher, in a process of its own (in this one for "
         "fake), publishes one version of SIZE bytes; this process pulls it REPEAT times, each "
         "beside the transport's own raw read of the same bytes and the machine's copy limit "
-        "between the same kinds of memory, measured in the same run (docs/transports.md).",
+        "between the same kinds of memory, measured in the same run (docs/guides/transports.md).",
     )
     pull.add_argument("--transport", default="fake", help="transport driver (default: fake)")
     pull.add_argument("--size", default="1G", help="bytes per version: 256M, 1G, ... (default: 1G)")
@@ -735,7 +735,7 @@ def _bench_parser(sub: Any) -> None:
         "serving, beside the copy limits measured in the same run and the pushes a user would "
         "pick instead (torch.distributed broadcast; verl's CUDA IPC push on GPU). On a GPU, a "
         "driver that reads GPU memory at device speed (cuda_ipc) runs with GPU slots, then with "
-        "host slots. Needs torch (docs/benchmarks.md).",
+        "host slots. Needs torch (docs/guides/benchmarks.md).",
     )
     model.add_argument(
         "--preset",
@@ -772,7 +772,7 @@ def _bench_parser(sub: Any) -> None:
         "into a GPU mirror, per bucket size; a host slot pulled into a GPU mirror through "
         "HostStaged, and its copy leg alone; what PullSpec(check_apply=True) adds to an apply; "
         "each beside its copy limit, every copy checked against the publisher's fingerprints "
-        "(docs/gpu.md).",
+        "(docs/guides/gpu.md).",
     )
     gpu.add_argument("--repeat", type=_count(1), default=5, help="timed rounds, after one to warm up (default: 5)")
     gpu.add_argument(
@@ -791,7 +791,7 @@ def _bench_parser(sub: Any) -> None:
         "slices at once, REPEAT times, beside one rank pulling the whole version from the same "
         "shards, and rank 0's strided (2-D) reads timed natively, one read per row and as "
         "contiguous reads of the same bytes. Every slice is checked bit for bit. With cuda_ipc, "
-        "shard i and rank i sit on cuda:i (docs/sharding.md).",
+        "shard i and rank i sit on cuda:i (docs/guides/sharding.md).",
     )
     sharded.add_argument("--preset", default="tiny", help="tensor set: tiny, 0.6b or 8b (default: tiny)")
     sharded.add_argument(
@@ -809,7 +809,7 @@ def _bench_parser(sub: Any) -> None:
         description="One rank of FSDP2 over a model of Qwen3-8B's shapes in fp32 (unless "
         "told otherwise): each publish follows a stand-in optimizer step and is timed from the "
         "call to its return; the last version is pulled and compared bit for bit. One JSON "
-        "line per mode on stdout (docs/fsdp.md).",
+        "line per mode on stdout (docs/guides/fsdp.md).",
     )
     fsdp.add_argument(
         "--mode", default="sharded,gathered", help="comma-separated FSDPPublisher modes (default: sharded,gathered)"
@@ -834,7 +834,7 @@ def _bench_parser(sub: Any) -> None:
         help="a served registry's lease acquire/release round trips per second and p99 latency",
         description="Concurrent clients loop lease acquire+release on "
         "the newest READY version. With --registry (or $WEIGHTPULL_REGISTRY) it only leases "
-        "what is there; without, it starts its own server process (docs/registry-service.md).",
+        "what is there; without, it starts its own server process (docs/guides/registry-service.md).",
     )
     registry.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
     registry.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
@@ -879,7 +879,7 @@ def _keys_parser(sub: Any) -> None:
         "made here as ZeroMQ certificate files naming its principal: a role (publisher, reader, "
         "admin; or server, for the server's own pair) and a name. The public NAME.key goes in the "
         "directory the server serves with --keys; the secret NAME.key_secret (mode 0600) to the "
-        "client alone (docs/registry-service.md).",
+        "client alone (docs/guides/registry-service.md).",
     )
     ksub = keys.add_subparsers(dest="keys_command", required=True)
     new = ksub.add_parser(
@@ -945,7 +945,7 @@ def parser() -> argparse.ArgumentParser:
         choices=("none", "vllm"),
         default="none",
         help="vllm: the replicas are vLLM engines fed by the dispatcher, with a greedy-output check "
-        "(docs/vllm.md; --size-mib does not apply) (default: none)",
+        "(docs/guides/vllm.md; --size-mib does not apply) (default: none)",
     )
     demo.add_argument(
         "--trainer",
@@ -953,7 +953,7 @@ def parser() -> argparse.ArgumentParser:
         default="none",
         help="with --engine vllm, fsdp: the decoupled RL loop, every part its own process: a two-rank FSDP2 "
         "trainer learning a task, the replicas, the served registry and a prompt ledger; the trainer is "
-        "SIGKILLed at a random step (or --kill-at) and resumed (docs/loop.md) (default: none)",
+        "SIGKILLed at a random step (or --kill-at) and resumed (docs/guides/loop.md) (default: none)",
     )
     demo.add_argument(
         "--steps",
@@ -1020,7 +1020,7 @@ def parser() -> argparse.ArgumentParser:
         "it runs. --insecure-dev serves loopback only, unauthenticated. A principal not heard from for "
         "--liveness-ttl seconds is taken for dead: its versions being written end ABORTED and its "
         "READY one is withdrawn. State lives in memory: after a restart, clients re-announce what "
-        "they stand by (docs/registry-service.md).",
+        "they stand by (docs/guides/registry-service.md).",
     )
     serve.add_argument(
         "--bind",

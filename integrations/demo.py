@@ -172,7 +172,7 @@ async def replica_loop(
     slow, torn = index == SLOW, index == TORN and cfg.tear
     faults, last = transport.faults, cfg.versions
     # The torn reader freezes for half a TTL: past its own short lease, not the others'.
-    # Each replica follows the trainer's line of versions by name (docs/registry-service.md#threat-model).
+    # Each replica follows the trainer's line of versions by name (docs/guides/registry-service.md#threat-model).
     puller = Puller(registry, transport, holder=report.name, ttl=cfg.ttl / 4 if torn else cfg.ttl, publisher=TRAINER)
     try:
         while not report.applied or report.applied[-1] < last:

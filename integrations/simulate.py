@@ -290,7 +290,7 @@ def add_parser(sub: Any) -> None:
         "buckets are forwarded as they arrive; sources are chosen by the registry's policy "
         "(weightpull.sources). Prints the time until every replica serves the 8B and 1T models for each N, "
         "without relays (all read the trainer) and with; CPUs never bind (real hosts have their own). "
-        "Validate it against a measured run with --measured (docs/fanout.md).",
+        "Validate it against a measured run with --measured (docs/guides/fanout.md).",
     )
     p.add_argument("--model", choices=(*MODELS, "both"), default="both", help="the model (default: both)")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Examples in docs/ that a user copies run as written: here docs/vllm.md's registry
+"""Examples in docs/ that a user copies run as written: here docs/guides/vllm.md's registry
 served from the trainer's own process, on every interface with keys, read by a replica
 that holds a reader key and names the trainer's line."""
 
@@ -20,11 +20,11 @@ from .served import make_keys
 
 pytestmark = pytest.mark.anyio
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "guides"
 
 
 def example(page: str, heading: str) -> str:
-    """The first python block under `heading` in docs/`page`."""
+    """The first python block under `heading` in docs/guides/`page`."""
     text = (DOCS / page).read_text()
     section = text[text.index(heading) :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -45,7 +45,7 @@ async def test_the_trainer_serves_its_registry_on_every_interface_with_keys(tmp_
     make_keys(tmp_path / "keys", ("reader", "replica-0"))
     monkeypatch.chdir(tmp_path)  # the example names its keys directory `keys`
     namespace: dict = {}
-    exec(compile(code.replace(":5603", f":{port}"), "docs/vllm.md", "exec"), namespace)
+    exec(compile(code.replace(":5603", f":{port}"), "docs/guides/vllm.md", "exec"), namespace)
     pulled = anyio.Event()
 
     async def training():

@@ -179,7 +179,7 @@ SMALL = [
 
 
 def test_the_blocking_time_bench_runs_small_on_cpu():
-    """The H200 figure of docs/fsdp.md comes from this bench at Qwen3-8B's shapes."""
+    """The H200 figure of docs/guides/fsdp.md comes from this bench at Qwen3-8B's shapes."""
     run = subprocess.run(
         [sys.executable, "-m", "weightpull", "bench", "fsdp", *SMALL, "--publishes", "2"],
         cwd=ROOT,

@@ -1,4 +1,4 @@
-"""docs/loop.md's adoption example runs as written: publish, enqueue, sample."""
+"""docs/guides/loop.md's adoption example runs as written: publish, enqueue, sample."""
 
 import re
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def test_the_three_calls_run_as_the_docs_write_them():
-    page = (Path(__file__).resolve().parents[1] / "docs" / "loop.md").read_text()
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "loop.md").read_text()
     code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

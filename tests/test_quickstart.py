@@ -1,4 +1,4 @@
-"""docs/quickstart.md's two scripts run as written: a trainer and a replica in two
+"""docs/guides/quickstart.md's two scripts run as written: a trainer and a replica in two
 processes over nixl, on one host (the registry in development mode), and on two "hosts"
 (network namespaces joined by a veth pair), where the page's shell commands run as printed
 (each host's key pair made there, the trainer serving with keys) and every connection
@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "quickstart.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "quickstart.md"
 LAST = "replica-0: serving v3, weight[0, 0] = 3"
 # What the scripts must not take from the environment the tests run in.
 CLEARED = ("WEIGHTPULL_REGISTRY", "WEIGHTPULL_SECRET", "WEIGHTPULL_KEY", "WEIGHTPULL_SERVER_KEY")

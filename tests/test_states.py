@@ -56,5 +56,5 @@ def test_the_views_by_name_are_the_machines():
 
 
 def test_docs_state_diagrams_match_the_tables():
-    docs = Path(__file__).resolve().parents[1] / "docs" / "states.md"
+    docs = Path(__file__).resolve().parents[1] / "docs" / "reference" / "states.md"
     assert docs.read_text() == markdown(), "regenerate it: make docs"

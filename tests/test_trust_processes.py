@@ -351,7 +351,7 @@ class Flooder:
 
     It sends every kind of act but one: a valid publish of its own (a commit of its own
     version, in its own slot, under its own name). That is what a publisher key is for,
-    and it retires the previous newest READY version, anyone's (docs/registry-service.md,
+    and it retires the previous newest READY version, anyone's (docs/guides/registry-service.md,
     threat model); its invariants are the principals fuzzer's (fuzz/test_principals.py)."""
 
     def __init__(self, served: ServedRegistry, name: str, seed: int) -> None:

@@ -195,7 +195,7 @@ class RegistryServer:
             warnings.warn(
                 "serving the registry with a shared secret is deprecated and goes in a later release: "
                 "give each client a key (`weightpull keys new`) and serve with keys=/server_key= "
-                "(--keys/--server-key); docs/registry-service.md",
+                "(--keys/--server-key); docs/guides/registry-service.md",
                 DeprecationWarning,
                 stacklevel=2,
             )

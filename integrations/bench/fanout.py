@@ -625,7 +625,7 @@ def add_parser(figures: Any) -> None:
         "(host=, stream=True, relay=True) whose lease the registry places at a source by its policy, relays "
         "forwarding buckets as they land; beside what `weightpull simulate` predicts from each run's "
         "one-replica row (its link and CPU per byte, all hosts sharing this machine's cores). Needs root (ip "
-        "netns), the nixl and service extras; it deletes every namespace it made (docs/fanout.md). Also spelled "
+        "netns), the nixl and service extras; it deletes every namespace it made (docs/guides/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
     p.add_argument("--replicas", type=int, default=8, help=f"the most replicas, 1 to {MAX_REPLICAS} (default: 8)")
@@ -649,7 +649,7 @@ def add_parser(figures: Any) -> None:
         "bucket): "
         "wsum64 (default) is a checksum, cheap (numpy, ~0.02 core-s per 256 MiB), catching corrupt, swapped "
         "or stale buckets but not bytes a hostile relay made to match, for replicas of one job; blake2b128 "
-        "is cryptographic, catching those too, at ~1 GB/s a core (docs/fanout.md)",
+        "is cryptographic, catching those too, at ~1 GB/s a core (docs/guides/fanout.md)",
     )
     p.add_argument(
         "--progress-ms",

@@ -6,7 +6,7 @@
   `VllmReplica` (what the dispatcher runs prompts on), `open_replica`.
 - `demo`: `weightpull demo --engine vllm`.
 
-See docs/vllm.md.
+See docs/guides/vllm.md.
 """
 
 from .engine import OpenReplica, PullSpec, VllmEngine, VllmReplica, engine_args, open_replica, shutdown, start_engine

@@ -2,7 +2,7 @@
 
 Runs in each worker process. vLLM's layerwise checkpoint-format reload (`reload_weights`)
 is driven here step by step (initialize, `load_weights`, finalize) because, left alone,
-it can report success while the model computes with a mix of versions (docs/vllm.md,
+it can report success while the model computes with a mix of versions (docs/guides/vllm.md,
 "Upstream defects"):
 
 - A layer that receives no weights is quietly given its old tensors back ("Failed to

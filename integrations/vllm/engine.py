@@ -73,7 +73,7 @@ def _stream(_: Any, __: attrs.Attribute[bool | None], stream: bool | None) -> No
 @attrs.frozen
 class PullSpec:
     """How each worker reaches the registry and the publisher's memory, and whether it
-    reads from other replicas' mirrors and offers its own (relays: docs/vllm.md#relays)."""
+    reads from other replicas' mirrors and offers its own (relays: docs/guides/vllm.md#relays)."""
 
     registry: str  # the served registry's address
     holder: str  # the lease holder's name (the replica's)
@@ -87,10 +87,10 @@ class PullSpec:
     transport_options: Mapping[str, Any] = attrs.field(factory=dict)
     faults: Mapping[str, Any] | None = None  # `weightpull.drivers.faulty.Faults` fields
     # After each apply, compare the tensors the kernels use with a first load of the same
-    # copy (docs/vllm.md#the-check-after-every-apply); the structural checks always run.
+    # copy (docs/guides/vllm.md#the-check-after-every-apply); the structural checks always run.
     check_apply: bool = True
     # Each tensor-parallel worker pulls only its slice: the elements its own weight loaders
-    # read, recorded from the engine at start (docs/sharding.md). Else each pulls the whole.
+    # read, recorded from the engine at start (docs/guides/sharding.md). Else each pulls the whole.
     sharded: bool = False
     # This replica's host name: each pull's lease is placed by the registry's policy, at
     # the trainer's slot or at a relay (another replica's mirror), the same host's first;
@@ -103,7 +103,7 @@ class PullSpec:
     # None: when host is set. A relay streams.
     stream: bool | None = attrs.field(default=None, validator=_stream)
     # The publisher principal whose versions this replica follows (None: the registry's
-    # default line): another principal's versions are never pulled (docs/registry-service.md).
+    # default line): another principal's versions are never pulled (docs/guides/registry-service.md).
     publisher: str | None = attrs.field(default=None, validator=_publisher)
 
     def __attrs_post_init__(self) -> None:

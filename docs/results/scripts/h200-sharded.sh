@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The sharded figures of docs/sharding.md, on the two-GPU H200 machine (`nvidia-h200-x2`; run
+# The sharded figures of docs/guides/sharding.md, on the two-GPU H200 machine (`nvidia-h200-x2`; run
 # from the repository root; carry .whl/ with attrs, cattrs, typing_extensions and pyzmq cp312
-# wheels, made as docs/h200-gpu.sh says). First the 2-D read's conformance test over cuda_ipc
+# wheels, made as docs/results/scripts/h200-gpu.sh says). First the 2-D read's conformance test over cuda_ipc
 # (GPU and host slots), then one `bench sharded` run: two trainer shards (cuda:0, cuda:1) of
 # the 8b preset, a TP=2 replica as two processes (cuda:0, cuda:1) each pulling its slice,
 # beside one rank pulling the whole version from the same shards. $OUT/sharded-8b.json gets

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 figures of docs/transports.md. Run from the repository root on the GPU machine,
+# The H200 figures of docs/guides/transports.md. Run from the repository root on the GPU machine,
 # with the cp312 nixl-cu13 wheel in .whl/ (that machine has no package index). Each bench
 # prints its JSON line to stdout; $OUT/h200.jsonl collects them, labelled.
 set -u

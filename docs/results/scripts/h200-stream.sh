@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The streamed figures of docs/streaming.md, on the H200 machine (run from the repository
+# The streamed figures of docs/guides/streaming.md, on the H200 machine (run from the repository
 # root; carry .whl/ with attrs, cattrs, typing_extensions and pyzmq cp312 wheels: the
 # streamed runs use a served registry). One `bench model` run: each cuda_ipc path
 # serially, then streamed, then (a GPU slot) applied in place, beside the limits and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/gpu.md, and the GPU tests. Run from the repository root on the
+# The GPU figures of docs/guides/gpu.md, and the GPU tests. Run from the repository root on the
 # H200 machine (torch 2.11, numpy, pytest). The core also needs cattrs (and attrs >= 25.4),
 # which that machine lacks and cannot download: carry their wheels in .whl/ (the device
 # tool's `carry`), made here with
