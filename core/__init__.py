@@ -6,9 +6,7 @@ held throughout. `import weightpull` loads the core alone (anyio, attrs and catt
 no transport library, no vLLM.
 """
 
-from .agent import EngineControl, PauseMode, UpdateAgent
 from .clock import Clock, FakeClock, MonotonicClock
-from .dispatcher import Dispatcher, Prompt
 from .errors import (
     AgentFailedError,
     ApplyCheckError,
@@ -56,10 +54,12 @@ from .principals import Principal, Role
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
 from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, RelayingRegistry, connect_registry
+from .rl.agent import EngineControl, PauseMode, UpdateAgent
+from .rl.dispatcher import Dispatcher, Prompt
+from .rl.staleness import Group, StalenessClock, Trajectory
 from .sharding import Shard, Sharding
 from .slice_puller import SlicePulled, SlicePuller
 from .slices import RankSlice, plan_slice
-from .staleness import Group, StalenessClock, Trajectory
 from .states import LeaseState, SlotState, VersionState
 from .tensors import HostTensor, TensorAdapter
 from .transport import Region, Remote, Transport

@@ -2,7 +2,7 @@ import anyio
 import pytest
 
 from tests.conftest import autojump, host_tensors
-from weightpull.agent import PauseMode, UpdateAgent
+from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.errors import AgentFailedError, ApplyError, InvalidArgumentError, TornReadError, VersionWaitTimeoutError
 
 pytestmark = pytest.mark.anyio

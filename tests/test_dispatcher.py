@@ -3,9 +3,9 @@ import pytest
 
 from tests.conftest import autojump
 from weightpull import FakeClock
-from weightpull.dispatcher import Dispatcher, DispatchQueue, Prompt, ReplicaView
+from weightpull.rl.dispatcher import Dispatcher, DispatchQueue, Prompt, ReplicaView
 from weightpull.errors import AgentFailedError, InvalidArgumentError
-from weightpull.staleness import Trajectory
+from weightpull.rl.staleness import Trajectory
 
 pytestmark = pytest.mark.anyio
 

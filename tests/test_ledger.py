@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from weightpull.clock import FakeClock
-from weightpull.dispatcher import Prompt
+from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import InvalidArgumentError, InvalidTransitionError
-from weightpull.ledger import Ledger, MemoryStore, PromptState, SqliteStore, claimable
-from weightpull.staleness import Trajectory
+from weightpull.rl.ledger import Ledger, MemoryStore, PromptState, SqliteStore, claimable
+from weightpull.rl.staleness import Trajectory
 
 
 def traj(prompt: str, version: int, group: str = "") -> Trajectory:

@@ -20,7 +20,7 @@ pytest.importorskip("zmq")
 from weightpull.integrations.loop.demo import LoopDemoError, _Trainer  # noqa: E402
 from weightpull.integrations.loop.settings import LoopConfig, Paths  # noqa: E402
 from weightpull.integrations.processes import Children  # noqa: E402
-from weightpull.ledger import Ledger  # noqa: E402
+from weightpull.rl.ledger import Ledger  # noqa: E402
 
 from .served import ServedRegistry, make_keys  # noqa: E402
 

@@ -8,12 +8,12 @@ import pytest
 
 from tests.conftest import autojump
 from weightpull.clock import FakeClock
-from weightpull.dispatcher import Prompt
+from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import AgentFailedError, InvalidArgumentError, StaleSampleError
-from weightpull.health import Health, NoProducerError, Producer, agent_producers
-from weightpull.ledger import Ledger, MemoryStore
-from weightpull.replay import ReplayBuffer, Sampler
-from weightpull.staleness import Group, StalenessClock, Trajectory
+from weightpull.rl.health import Health, NoProducerError, Producer, agent_producers
+from weightpull.rl.ledger import Ledger, MemoryStore
+from weightpull.rl.replay import ReplayBuffer, Sampler
+from weightpull.rl.staleness import Group, StalenessClock, Trajectory
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.served import ServedRegistry, make_keys
 from weightpull import InvalidArgumentError, PermissionDeniedError, Principal, Publisher, Puller, Role
-from weightpull.agent import UpdateAgent
+from weightpull.rl.agent import UpdateAgent
 from weightpull.clock import FakeClock
 from weightpull.drivers.fake import FakeTransport
 from weightpull.errors import RegionNotRegisteredError

@@ -1,7 +1,7 @@
 import pytest
 
 from weightpull.errors import InvalidArgumentError, StaleSampleError
-from weightpull.staleness import Group, StalenessClock, Trajectory
+from weightpull.rl.staleness import Group, StalenessClock, Trajectory
 
 
 def traj(*versions: int, prompt: str = "p") -> Trajectory:

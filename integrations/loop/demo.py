@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from weightpull.errors import DriverUnavailableError, WeightpullError
 from weightpull.integrations.demo import Progress
 from weightpull.integrations.processes import Children
-from weightpull.ledger import Ledger, PromptState
+from weightpull.rl.ledger import Ledger, PromptState
 
 from . import task
 from .settings import LoopConfig, Paths, spec

@@ -18,9 +18,9 @@ from typing import Any
 
 import anyio
 
-from weightpull.agent import PauseMode
-from weightpull.ledger import Entry, Ledger
-from weightpull.staleness import Trajectory
+from weightpull.rl.agent import PauseMode
+from weightpull.rl.ledger import Entry, Ledger
+from weightpull.rl.staleness import Trajectory
 
 from .settings import LoopConfig, Paths
 

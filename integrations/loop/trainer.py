@@ -33,12 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from weightpull.dispatcher import Prompt
+from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import PublishError, VersionWaitTimeoutError
-from weightpull.health import Health, Producer
-from weightpull.ledger import Ledger
-from weightpull.replay import ReplayBuffer, Sampler
-from weightpull.staleness import StalenessClock
+from weightpull.rl.health import Health, Producer
+from weightpull.rl.ledger import Ledger
+from weightpull.rl.replay import ReplayBuffer, Sampler
+from weightpull.rl.staleness import StalenessClock
 
 from . import task
 from .settings import LoopConfig, Paths

@@ -18,13 +18,13 @@ import anyio
 import attrs
 
 from weightpull import errors
-from weightpull.agent import PauseMode, UpdateAgent
+from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.clock import Clock, MonotonicClock
-from weightpull.dispatcher import Prompt
+from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import check_line
 from weightpull.registry import Registry
-from weightpull.staleness import Trajectory
+from weightpull.rl.staleness import Trajectory
 
 from .worker import WORKER_EXTENSION
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 import attrs
 
-from .errors import InvalidArgumentError, first_error
+from ..errors import InvalidArgumentError, first_error
 from .staleness import Trajectory
 
 

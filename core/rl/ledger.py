@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from .clock import Clock, MonotonicClock
+from ..clock import Clock, MonotonicClock
+from ..errors import InvalidArgumentError, InvalidTransitionError
 from .dispatcher import Prompt
-from .errors import InvalidArgumentError, InvalidTransitionError
 from .staleness import Group, Trajectory
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from .clock import Clock, MonotonicClock
-from .errors import InvalidArgumentError
+from ..clock import Clock, MonotonicClock
+from ..errors import InvalidArgumentError
 from .health import Health, Producer
 from .staleness import Group, StalenessClock
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidArgumentError, StaleSampleError
+from ..errors import InvalidArgumentError, StaleSampleError
 
 
 def _versions(value: Iterable[int]) -> tuple[int, ...]:

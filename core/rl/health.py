@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidArgumentError, NoProducerError
+from ..errors import InvalidArgumentError, NoProducerError
 
 
 @attrs.frozen
@@ -28,7 +28,7 @@ class Producer:
 
 
 def agent_producers(agents: Iterable[Any], now: float) -> list[Producer]:
-    """In-process update agents (`weightpull.agent.UpdateAgent`): alive until one fails."""
+    """In-process update agents (`weightpull.rl.UpdateAgent`): alive until one fails."""
     return [
         Producer(a.name, now if a.failure is None else -math.inf, None if a.failure is None else repr(a.failure))
         for a in agents

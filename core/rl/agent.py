@@ -19,8 +19,8 @@ from typing import Protocol, runtime_checkable
 import anyio
 import attrs
 
-from .clock import Clock, MonotonicClock, within
-from .errors import (
+from ..clock import Clock, MonotonicClock, within
+from ..errors import (
     AgentFailedError,
     ApplyError,
     InvalidArgumentError,
@@ -33,8 +33,8 @@ from .errors import (
     VersionWaitTimeoutError,
     WeightpullError,
 )
-from .puller import check_line, line_args
-from .registry import Registry
+from ..puller import check_line, line_args
+from ..registry import Registry
 
 log = logging.getLogger(__name__)
 
