@@ -38,7 +38,7 @@ VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10
 # the next `make setup`; `make test` relinks first (a few seconds).
 LINK_TREE := --config-settings editable_mode=strict
 
-.PHONY: setup setup-torch setup-verl test-verl links lint demo test test-plan fuzz-long docs clean
+.PHONY: setup setup-torch setup-verl test-verl links lint demo test test-plan fuzz-long docs docs-build clean
 
 setup: $(STAMP)
 
@@ -102,7 +102,7 @@ lint: links
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: test-plan setup setup-torch setup-verl lint
+test: test-plan setup setup-torch setup-verl lint docs-build
 	$(BIN)/python -m pytest -q
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
 	$(MAKE) --no-print-directory test-verl
@@ -119,9 +119,18 @@ test-plan:
 fuzz-long: setup
 	WEIGHTPULL_FUZZ=long WEIGHTPULL_FUZZ_MINUTES=$${WEIGHTPULL_FUZZ_MINUTES:-30} $(BIN)/python -m pytest -q fuzz
 
-# docs/reference/states.md is drawn from the transition tables; a test fails when it drifts.
-docs: setup
+# docs/reference/states.md is drawn from the transition tables (a test fails when it drifts);
+# then the site is built.
+docs: links
 	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/reference/states.md
+	@$(MAKE) --no-print-directory docs-build
+
+# The site (mkdocs.yml) into site/: the guides, the API reference generated from the
+# docstrings, the results. --strict fails on any warning (a docstring naming a parameter
+# the signature lacks, a broken link or anchor, a page left out of the nav), so the
+# reference cannot rot: `make test` builds it too (a few seconds).
+docs-build: links
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(VERL_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TORCH_VENV) $(VERL_VENV) build site *.egg-info .pytest_cache .hypothesis

@@ -567,7 +567,7 @@ class Puller:
         publishes, and a version of another line is refused (`VersionNotFoundError`).
         None follows the registry's default line: where one principal publishes, every
         version; else the line that announced last, whoever's it is: name the publisher
-        wherever another may publish ([threat model](docs/guides/registry-service.md#threat-model)).
+        wherever another may publish (docs/guides/registry-service.md#threat-model).
 
         With `relay` (needs `host` and `stream`), each pull offers the mirror to other
         replicas while it is still filling (`offer` with `relay_cap`): once its first
