@@ -34,12 +34,10 @@ with`, the heartbeat is a task of the event loop that `aclose` or the loop's end
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import uuid
 import warnings
-from collections.abc import Iterable, Sequence
 from typing import Any, Self
 
 import anyio
@@ -47,21 +45,21 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from weightpull import operations
 from weightpull.errors import (
     AuthenticationError,
     InvalidArgumentError,
     MalformedMessageError,
     MessageTooLargeError,
-    ProtocolError,
     RegistryError,
     RegistryUnavailableError,
     VersionNotFoundError,
     VersionWaitTimeoutError,
 )
 from weightpull.manifest import Manifest
+from weightpull.operations import OperationsClient
 from weightpull.principals import ADMIN, Principal
-from weightpull.records import Progress, Reservation
-from weightpull.registry import Lease, RegistryStatus
+from weightpull.records import Lease
 from weightpull.tasks import close_owned
 
 from . import keys as keyfiles
@@ -110,7 +108,7 @@ class _NewRun(Exception):
         self.epoch = epoch
 
 
-class ZmqRegistry:
+class ZmqRegistry(OperationsClient):
     """A client of `weightpull registry serve`, interchangeable with `InProcessRegistry`."""
 
     def __init__(
@@ -196,7 +194,7 @@ class ZmqRegistry:
         self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
     ) -> int:
         """Begin a version; the number the registry gave it (the one asked for while free)."""
-        number = await self._call("begin", version=version, publisher=publisher, slot=slot, **_shard(shard))
+        number = await self._op("begin", version=version, publisher=publisher, slot=slot, shard=shard)
         if not isinstance(number, int) or isinstance(number, bool):  # a server of an earlier release
             if version is None:
                 raise MalformedMessageError("the registry did not say which number it gave the version")
@@ -206,7 +204,7 @@ class ZmqRegistry:
         return number
 
     async def commit(self, manifest: Manifest) -> None:
-        await self._call("commit", manifest=manifest.to_dict())
+        await super().commit(manifest)
         self._writing.pop((manifest.version, manifest.publisher), None)
         if manifest.shards:
             self._parts[manifest.version, manifest.publisher] = manifest
@@ -217,7 +215,7 @@ class ZmqRegistry:
 
     async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
         try:
-            await self._call("abort", version=version, reason=reason, **_shard(shard))
+            await super().abort(version, reason, shard=shard)
         finally:
             self._forget(version)  # given up on, whatever the registry said
             if shard is not None:
@@ -226,12 +224,12 @@ class ZmqRegistry:
                     del self._aborted[min(self._aborted)]
 
     async def retire(self, version: int) -> None:
-        await self._call("retire", version=version)
+        await super().retire(version)
         self._forget(version)
 
     async def reclaim(self, version: int) -> None:
         try:
-            await self._call("reclaim", version=version)
+            await super().reclaim(version)
         except VersionNotFoundError:  # gone already (a sibling shard reclaimed it): forget it too
             self._forget(version)
             raise
@@ -245,34 +243,6 @@ class ZmqRegistry:
             if manifest.version == version:
                 del self._committed[publisher]
 
-    # -- reading -------------------------------------------------------------------------
-
-    async def newest(self, *, publisher: str | None = None) -> Manifest | None:
-        data = await self._call("newest", **_line(publisher))
-        return None if data is None else Manifest.from_dict(data)
-
-    async def get(self, version: int) -> Manifest:
-        return Manifest.from_dict(await self._call("get", version=version))
-
-    async def acquire(
-        self,
-        version: int | None = None,
-        *,
-        ttl: float,
-        holder: str,
-        streaming: bool = False,
-        host: str | None = None,
-        exclude: Iterable[str] = (),
-        publisher: str | None = None,
-    ) -> Lease:
-        extra: dict[str, Any] = (
-            {"streaming": True} if streaming else {}
-        )  # sent only when set: an older server takes the rest
-        if host is not None:
-            extra |= {"host": host, "exclude": list(exclude)}
-        extra |= _line(publisher)
-        return Lease.from_dict(await self._call("acquire", version=version, ttl=ttl, holder=holder, **extra))
-
     # -- relays ----------------------------------------------------------------------------
 
     async def offer(
@@ -285,33 +255,16 @@ class ZmqRegistry:
         cap: int | None = None,
         landed: int | None = None,
     ) -> None:
-        extra = {k: v for k, v in (("cap", cap), ("landed", landed)) if v is not None}  # older servers: as ever
-        text = base64.b64encode(descriptor).decode()
-        await self._call("offer", version=version, holder=holder, host=host, descriptor=text, **extra)
+        await super().offer(version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed)
         self._relaying.setdefault(holder, set()).add(version)
         self._start_heartbeat()  # its offers live while it does: an idle relay must not lapse
 
-    async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
-        await self._call("mark_offer", version=version, landed=landed, holder=holder)
-
     async def withdraw(self, version: int, *, holder: str) -> None:
-        await self._call("withdraw", version=version, holder=holder)
+        await super().withdraw(version, holder=holder)
         offered = self._relaying.get(holder, set())
         offered.discard(version)
         if not offered:
             self._relaying.pop(holder, None)
-
-    async def readers_at(self, version: int, holder: str) -> int:
-        return int(await self._call("readers_at", version=version, holder=holder))
-
-    async def renew(self, lease: Lease) -> Lease:
-        return Lease.from_dict(await self._call("renew", lease=lease.to_dict()))
-
-    async def release(self, lease: Lease) -> None:
-        await self._call("release", lease=lease.to_dict())
-
-    async def is_valid(self, lease: Lease) -> bool:
-        return bool(await self._call("is_valid", lease=lease.to_dict()))
 
     async def release_checked(self, lease: Lease) -> bool | None:
         """End a lease, and say whether it held until then (one round trip for `is_valid`
@@ -319,7 +272,7 @@ class ZmqRegistry:
         if not self._release_checked:
             return None
         try:
-            return bool(await self._call("release_checked", lease=lease.to_dict()))
+            return await super().release_checked(lease)
         except MalformedMessageError as exc:
             if "unknown operation" not in str(exc):
                 raise
@@ -330,77 +283,34 @@ class ZmqRegistry:
         self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
     ) -> Manifest:
         try:
-            data = await self._long_poll("wait_for_version", timeout, min_version=min_version, **_line(publisher))
+            return await super().wait_for_version(min_version, timeout, publisher=publisher)
         except VersionWaitTimeoutError:
             of = "" if publisher is None else f" of {publisher!r}"
             raise VersionWaitTimeoutError(f"no version{of} >= {min_version} within {timeout} s") from None
-        return Manifest.from_dict(data)
 
-    async def _long_poll(self, op: str, timeout: float | None, **args: Any) -> Any:
-        """`op` as long polls of at most `wait_poll` seconds each, so that no request
+    async def _poll(self, name: str, timeout: float | None, **values: Any) -> Any:
+        """`name` as long polls of at most `wait_poll` seconds each, so that no request
         outlives a server restart by long, until it answers or `timeout` passes (then the
         server's `VersionWaitTimeoutError`)."""
+        op = operations.OPERATIONS[name]
         deadline = None if timeout is None else anyio.current_time() + timeout
         while True:
             left = (
                 self.wait_poll if deadline is None else max(0.0, min(self.wait_poll, deadline - anyio.current_time()))
             )
             try:
-                return await self._call(op, timeout=left, _attempt_timeout=left + self.timeout, **args)
+                args = op.encode_args({"timeout": left, **values})
+                return op.decode_result(await self._call(name, _attempt_timeout=left + self.timeout, **args))
             except VersionWaitTimeoutError:
                 if deadline is not None and anyio.current_time() >= deadline:
                     raise
 
-    # -- streams ---------------------------------------------------------------------------
-
-    async def stream(self, manifest: Manifest) -> None:
-        await self._call("stream", manifest=manifest.to_dict())
-
-    async def mark(self, version: int, committed: int) -> None:
-        await self._call("mark", version=version, committed=committed)
-
-    async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
-        await self._call("commit_stream", version=version, **({} if digests is None else {"digests": list(digests)}))
-
-    async def progress(self, version: int, *, source: str | None = None) -> Progress:
-        extra = {} if not source else {"source": source}
-        return Progress.from_dict(await self._call("progress", version=version, **extra))
-
-    async def reserve(self, reservation: Reservation) -> None:
-        await self._call("reserve", reservation=reservation.to_dict())
-
-    async def reservations(self) -> tuple[Reservation, ...]:
-        found = await self._call("reservations")
-        if not isinstance(found, list):
-            raise ProtocolError(f"reservations: expected a list, got {type(found).__name__}")
-        return tuple(Reservation.from_dict(r) for r in found)
-
-    async def wait_for_buckets(
-        self,
-        version: int,
-        at_least: int,
-        timeout: float | None = None,
-        *,
-        source: str | None = None,
-        publisher: str | None = None,
-    ) -> Progress:
-        extra = ({} if not source else {"source": source}) | _line(publisher)
-        data = await self._long_poll("wait_for_buckets", timeout, version=version, at_least=at_least, **extra)
-        return Progress.from_dict(data)
-
     # -- replicas and status -------------------------------------------------------------
 
     async def report_serving(self, replica: str, version: int) -> None:
-        await self._call("report_serving", replica=replica, version=version)
+        await super().report_serving(replica, version)
         self._serving[replica] = version
         self._start_heartbeat()  # a replica stays alive, and in `serving`, while it runs
-
-    async def status(self) -> RegistryStatus:
-        return RegistryStatus.from_dict(await self._call("status"))
-
-    async def keepalive(self, names: tuple[str, ...] = ()) -> None:
-        """Renew this principal's liveness, and that of the names given (its own)."""
-        await self._call("keepalive", names=list(names))
 
     async def ping(self) -> str:
         """One round trip; the server's run epoch."""
@@ -438,6 +348,9 @@ class ZmqRegistry:
                 await self.aclose()
 
     # -- requests ------------------------------------------------------------------------
+
+    async def _send(self, name: str, args: dict[str, Any]) -> Any:
+        return await self._call(name, **args)
 
     async def _call(
         self, op: str, *, _attempt_timeout: float | None = None, _run: str | None = None, **args: Any
@@ -705,8 +618,3 @@ class ZmqRegistry:
         finally:
             if self._beat is scope:  # ended by itself: the next publish starts another
                 self._stop_heartbeat()
-
-
-def _line(publisher: str | None) -> dict[str, str]:
-    """The `publisher` argument as sent: only when a line is named (older servers take no other)."""
-    return {} if publisher is None else {"publisher": publisher}

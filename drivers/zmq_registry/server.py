@@ -1,10 +1,10 @@
 """`weightpull registry serve`: an `InProcessRegistry` behind a ZeroMQ ROUTER socket.
 
-One task reads requests and answers them in arrival order. Each operation is one
-synchronous call on the registry's `RegistryMachine`, made as the principal the request
-came from, so it runs whole before the next message is read and no two interleave; only
-`wait_for_version` waits, on the `InProcessRegistry` around that machine, in a task of its
-own. A message that fails any check (authentication, framing, size, schema) gets an error
+One task reads requests and answers them in arrival order. Each operation of the table
+(weightpull.operations) is one synchronous call on the registry's `RegistryMachine`, made
+as the principal the request came from, so it runs whole before the next message is read
+and no two interleave; only the long polls (`wait_for_version`, `wait_for_buckets`) wait,
+on the `InProcessRegistry` around that machine, each in a task of its own. A message that fails any check (authentication, framing, size, schema) gets an error
 reply and a log line, and touches nothing. Leases and liveness are judged on this
 process's clock.
 
@@ -30,7 +30,6 @@ With `metrics_port`, it also serves the registry's status to Prometheus over HTT
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import logging
 import os
@@ -47,17 +46,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from weightpull.errors import (
-    AuthenticationError,
-    InvalidArgumentError,
-    MalformedMessageError,
-    ProtocolError,
-    RegistryError,
-    WeightpullError,
-)
-from weightpull.manifest import Manifest
+from weightpull import operations
+from weightpull.errors import AuthenticationError, InvalidArgumentError, RegistryError, WeightpullError
 from weightpull.principals import ADMIN, Principal
-from weightpull.registry import InProcessRegistry, Lease, Reservation
+from weightpull.registry import InProcessRegistry
 from weightpull.relays import RelayBook
 
 from . import keys as keyfiles
@@ -356,7 +348,7 @@ class RegistryServer:
             return
         if cached is not None:  # a retry: answer it as the first attempt was answered
             await self._send(sock, peer, self._reply(req, cached))
-        elif req.op in _WAITS:
+        elif operations.OPERATIONS[req.op].waits:  # answered from a task of its own
             tg.start_soon(self._wait, sock, peer, req, who)
         else:
             await self._answer(sock, peer, req, op.mutates, who)
@@ -372,12 +364,8 @@ class RegistryServer:
         self, sock: zmq.asyncio.Socket, peer: bytes, req: wire.Request, cache: bool, who: Principal
     ) -> None:
         try:
-            if req.op == "wait_for_version":
-                result = await self._wait_for_version(req.args, who)
-            elif req.op == "wait_for_buckets":
-                result = await self._wait_for_buckets(req.args, who)
-            else:
-                result = self._execute(req.op, req.args, who)  # synchronous: nothing interleaves
+            # Synchronous but for the long polls, which wait at most max_wait: nothing interleaves.
+            result = await operations.answer(self.registry, req.op, req.args, by=who, max_wait=self.max_wait)
             outcome: dict[str, Any] = {"ok": True, "result": result}
         except WeightpullError as exc:
             outcome = {"ok": False, "error": wire.error_to_dict(exc)}
@@ -405,112 +393,8 @@ class RegistryServer:
         await sock.send_multipart([peer, *wire.encode_reply(self.key, reply)])
 
     def _execute(self, op: str, a: dict[str, Any], by: Principal = ADMIN) -> Any:
-        """Run one checked request on the machine as `by`; the result as JSON values."""
-        m = self.machine
-        match op:
-            case "ping":
-                return m.keepalive((), by=by)  # a sign of life, as every request is
-            case "keepalive":
-                return m.keepalive(tuple(a["names"]), by=by)
-            case "begin":
-                return m.begin(a["version"], publisher=a["publisher"], slot=a["slot"], shard=_shard(a), by=by)
-            case "commit":
-                return m.commit(Manifest.from_dict(a["manifest"]), by=by)
-            case "abort":
-                return m.abort(a["version"], a["reason"], shard=_shard(a), by=by)
-            case "retire":
-                return m.retire(a["version"], by=by)
-            case "reclaim":
-                return m.reclaim(a["version"], by=by)
-            case "newest":
-                manifest = m.newest(publisher=a.get("publisher"), by=by)
-                return None if manifest is None else manifest.to_dict()
-            case "get":
-                return m.get(a["version"], by=by).to_dict()
-            case "acquire":
-                streaming = bool(a.get("streaming"))
-                return m.acquire(
-                    a["version"],
-                    ttl=a["ttl"],
-                    holder=a["holder"],
-                    by=by,
-                    streaming=streaming,
-                    host=a.get("host"),
-                    exclude=tuple(a.get("exclude") or ()),
-                    publisher=a.get("publisher"),
-                ).to_dict()
-            case "offer":
-                descriptor = _unbase64(a["descriptor"])
-                return m.offer(
-                    a["version"],
-                    holder=a["holder"],
-                    host=a["host"],
-                    descriptor=descriptor,
-                    cap=a.get("cap"),
-                    landed=a.get("landed"),
-                    by=by,
-                )
-            case "mark_offer":
-                return m.mark_offer(a["version"], a["landed"], holder=a["holder"], by=by)
-            case "withdraw":
-                return m.withdraw(a["version"], holder=a["holder"], by=by)
-            case "readers_at":
-                return m.readers_at(a["version"], a["holder"], by=by)
-            case "stream":
-                return m.stream(Manifest.from_dict(a["manifest"]), by=by)
-            case "mark":
-                return m.mark(a["version"], a["committed"], by=by)
-            case "commit_stream":
-                return m.commit_stream(a["version"], a.get("digests"), by=by)
-            case "progress":
-                return m.progress(a["version"], source=a.get("source"), by=by).to_dict()
-            case "reserve":
-                return m.reserve(Reservation.from_dict(a["reservation"]), by=by)
-            case "reservations":
-                return [r.to_dict() for r in m.reservations(by=by)]
-            case "renew":
-                return m.renew(Lease.from_dict(a["lease"]), by=by).to_dict()
-            case "release":
-                m.release(Lease.from_dict(a["lease"]), by=by)
-                return None
-            case "release_checked":
-                return m.release(Lease.from_dict(a["lease"]), by=by)
-            case "is_valid":
-                return m.is_valid(Lease.from_dict(a["lease"]), by=by)
-            case "report_serving":
-                return m.report_serving(a["replica"], a["version"], by=by)
-            case "status":
-                return m.status(by=by).to_dict()
-        raise ProtocolError(f"no handler for {op!r}")  # wire.OPS and this match disagree
-
-    async def _wait_for_version(self, a: dict[str, Any], by: Principal) -> Any:
-        self.machine.keepalive((), by=by)  # a reader waiting is alive
-        timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        waited = self.registry.wait_for_version(a["min_version"], timeout, publisher=a.get("publisher"))
-        return (await waited).to_dict()
-
-    async def _wait_for_buckets(self, a: dict[str, Any], by: Principal) -> Any:
-        self.machine.keepalive((), by=by)
-        timeout = self.max_wait if a["timeout"] is None else min(a["timeout"], self.max_wait)
-        waited = self.registry.wait_for_buckets(
-            a["version"], a["at_least"], timeout, source=a.get("source"), publisher=a.get("publisher")
-        )
-        return (await waited).to_dict()
-
-
-_WAITS = ("wait_for_version", "wait_for_buckets")  # answered from a task of their own
-
-
-def _unbase64(text: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError:
-        raise MalformedMessageError("descriptor: not base64 text") from None
-
-
-def _shard(args: dict[str, Any]) -> tuple[int, int] | None:
-    shard = args.get("shard")
-    return None if shard is None else (shard[0], shard[1])
+        """Run one checked request (not a long poll) on the machine as `by`; the result as JSON values."""
+        return operations.execute(self.machine, op, a, by=by)
 
 
 async def run_server(server: RegistryServer, ready: Callable[[str], None]) -> None:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import attrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
-from weightpull import errors, schema
+from weightpull import errors, operations, schema
 from weightpull.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -142,16 +142,16 @@ def _sealed(key: bytes, body: dict[str, Any]) -> list[bytes]:
 Id = schema.refined("Id", str, f"a string of 1 to {_MAX_ID} characters", lambda v: 0 < len(v) <= _MAX_ID)
 Nonce = schema.refined("Nonce", str, "a string of 16 to 64 characters", lambda v: 16 <= len(v) <= 64)
 OpName = schema.refined("OpName", str, "an operation name", lambda v: 0 < len(v) <= 32)
-Text = schema.refined("Text", str, "a string of at most 4096 characters", lambda v: len(v) <= 4096)
-Count = schema.refined("Count", int, "an int in [0, 2**63)", lambda v: 0 <= v < 2**63)
-Seconds = schema.refined("Seconds", float, "a number of magnitude below 1e18", lambda v: -1e18 < v < 1e18)
-ShardArg = schema.refined(
-    "ShardArg", tuple[Count, Count], "[index, count] with 0 <= index < count", lambda v: v[0] < v[1]
+# The values of the operations' arguments: the table's (weightpull.operations).
+Text, Count, Seconds, ShardArg, Object, Blob, Names = (
+    operations.Text,
+    operations.Count,
+    operations.Seconds,
+    operations.ShardArg,
+    operations.Object,
+    operations.Blob,
+    operations.Names,
 )
-Object = dict[str, Any]
-# A transport's descriptor of a relay's mirror, base64: agent metadata can run to kilobytes.
-Blob = schema.refined("Blob", str, "base64 text of at most 1 MiB", lambda v: len(v) <= 1 << 20)
-Names = schema.refined("Names", list[Text], "a list of at most 1024 names", lambda v: len(v) <= 1024)
 
 
 @attrs.frozen
@@ -297,44 +297,12 @@ class Op:
     optional: Mapping[str, Any] = attrs.Factory(dict)  # sent only when set: older peers never see them
 
 
-OPS: Mapping[str, Op] = {
-    "ping": Op({}, False),
-    "keepalive": Op({"names": Names}, False),
-    "begin": Op({"version": Count | None, "publisher": Text, "slot": Count}, True, {"shard": ShardArg}),
-    "commit": Op({"manifest": Object}, True),
-    "abort": Op({"version": Count, "reason": Text}, True, {"shard": ShardArg}),
-    "retire": Op({"version": Count}, True),
-    "reclaim": Op({"version": Count}, True),
-    "newest": Op({}, False, {"publisher": Text}),
-    "get": Op({"version": Count}, False),
-    "acquire": Op(
-        {"version": Count | None, "ttl": Seconds, "holder": Text},
-        True,
-        {"streaming": bool, "host": Text, "exclude": Names, "publisher": Text},
-    ),
-    "offer": Op(
-        {"version": Count, "holder": Text, "host": Text, "descriptor": Blob}, True, {"cap": Count, "landed": Count}
-    ),
-    "mark_offer": Op({"version": Count, "landed": Count, "holder": Text}, True),
-    "withdraw": Op({"version": Count, "holder": Text}, True),
-    "readers_at": Op({"version": Count, "holder": Text}, False),
-    "stream": Op({"manifest": Object}, True),
-    "mark": Op({"version": Count, "committed": Count}, True),
-    "commit_stream": Op({"version": Count}, True, {"digests": list[Text]}),
-    "progress": Op({"version": Count}, False, {"source": Text}),
-    "reserve": Op({"reservation": Object}, True),
-    "reservations": Op({}, False),
-    "wait_for_buckets": Op(
-        {"version": Count, "at_least": Count, "timeout": Seconds | None}, False, {"source": Text, "publisher": Text}
-    ),
-    "renew": Op({"lease": Object}, True),
-    "release": Op({"lease": Object}, True),
-    "release_checked": Op({"lease": Object}, True),
-    "is_valid": Op({"lease": Object}, False),
-    "wait_for_version": Op({"min_version": Count, "timeout": Seconds | None}, False, {"publisher": Text}),
-    "report_serving": Op({"replica": Text, "version": Count}, True),
-    "status": Op({}, False),
-}
+def _wire_op(op: operations.Operation) -> Op:
+    return Op({k: f.wire for k, f in op.args.items()}, op.mutates, {k: f.wire for k, f in op.optional.items()})
+
+
+# Each operation's wire form, made from the table of operations.
+OPS: Mapping[str, Op] = {name: _wire_op(op) for name, op in operations.OPERATIONS.items()}
 
 
 def _args_form(name: str, op: Op) -> type:
