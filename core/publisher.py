@@ -12,19 +12,18 @@ owner makes progress) and deregisters its slots on the way out.
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import queue
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import anyio
 import anyio.lowlevel
 import attrs
 
 from .clock import Clock, MonotonicClock
-from .digests import BLAKE2B128, KINDS, WSUM64, digest, kind_of
+from .digests import WSUM64, digest, kind_of
 from .errors import (
     InvalidArgumentError,
     NoFreeSlotError,
@@ -41,6 +40,7 @@ from .manifest import Manifest, bucket_digest
 from .principals import Principal, Role
 from .records import Reservation
 from .registry import Registry, ReservingRegistry, as_streaming
+from .settings import Digester, PublisherSettings, SlotSettings, WhenFull, merge
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
@@ -67,19 +67,27 @@ _WRITES_PER_VERSION = 48
 # unmarked): started earlier, it contends for the GIL with the loop queueing the copies.
 _QUEUE_ALONE = 0.02
 
-# What computes the wsum64 digests of a slot on a device, where it lies: given the slot
-# and each bucket's (offset, nbytes), each bucket's digest (``wsum64:<hex>``). Called in a
-# worker thread once the version's copies landed. The torch integration's is
-# `weightpull.integrations.torch_digests.wsum64_digests`.
-Digester = Callable[[Region, Sequence[tuple[int, int]]], Sequence[str]]
+__all__ = [
+    "Digester",
+    "FlatPublisherArgs",
+    "PublishResult",
+    "Publisher",
+    "PublisherSettings",
+    "SlotSettings",
+    "WhenFull",
+    "choose_slot",
+    "default_name",
+]
 
 
-class WhenFull(enum.Enum):
-    """What `publish` does when every slot holds a leased or newest version."""
+class FlatPublisherArgs(TypedDict, total=False):
+    """The `SlotSettings` a `Publisher` also takes one by one, as keyword arguments (the
+    form it has always had): each is the field of the same name."""
 
-    WAIT = "wait"  # poll until a slot frees, at most `wait_timeout`, then SlotWaitTimeoutError
-    SKIP = "skip"  # publish nothing; the next version supersedes this one
-    FAIL = "fail"  # raise NoFreeSlotError at once
+    num_slots: int
+    when_full: WhenFull | str
+    wait_timeout: float
+    poll_interval: float
 
 
 @attrs.frozen
@@ -130,7 +138,14 @@ def default_name(registry: Registry) -> str:
 
 
 class Publisher:
-    """Publishes versions into `num_slots` slots on `device` (see `publish`).
+    """The trainer's side: publishes versions into its slots on `device` (see `publish`).
+
+    The slot settings come grouped (`slot_settings=SlotSettings(...)`) or flat, as
+    keyword arguments of the same names (`num_slots=`, `when_full=`, `wait_timeout=`,
+    `poll_interval=`): both forms are kept, neither warns; a flat argument beside
+    `slot_settings` must agree with it. Every rule the settings keep is checked at once,
+    as the publisher is made (`PublisherSettings`), and every one broken is named in one
+    error.
 
     `digests` records a digest per bucket in each manifest, which readers from relays
     check (weightpull.digests): False records none; True BLAKE2b-128 of a host slot, as
@@ -140,18 +155,40 @@ class Publisher:
     speed); a slot on a device records only wsum64 (BLAKE2b would first copy the slot to
     the host), computed there by `digester` (`Digester`), which the framework's
     integration supplies: `SnapshotPublisher` passes the torch one, and so must whoever
-    makes a Publisher with a GPU slot and digests. A sharded version records none."""
+    makes a Publisher with a GPU slot and digests. A sharded version records none.
+
+    Args:
+        registry: The registry versions are announced to (a `StreamingRegistry` with
+            `stream`).
+        transport: The driver whose memory the slots are.
+        rollout_dtype: The dtype tensors are cast to in the slot; None keeps each
+            tensor's own.
+        bucket_bytes: The bucket size versions are laid out by.
+        align: The alignment of each tensor in a slot.
+        digests: What digests each manifest records (see above).
+        digester: Computes wsum64 digests where a device slot lies (`Digester`).
+        stream: Announce each version as its first buckets land and mark them as they
+            do, so that streaming readers read behind the copy.
+        device: Where the slots lie: "cpu", or a GPU ("cuda:0").
+        name: The publisher's name; None: its registry principal's (`default_name`).
+        clock: The local clock; `MonotonicClock` if None.
+        adapter: The tensors' adapter; None: found from the first tensor published.
+        slot_settings: The slots and the policy when none is free (`SlotSettings`:
+            `num_slots`, `when_full`, `wait_timeout`, `poll_interval`).
+        **flat: The same slot settings one by one (`FlatPublisherArgs`).
+
+    Raises:
+        InvalidArgumentError: a setting is out of range or breaks a rule with another
+            (all named at once), a flat argument contradicts `slot_settings`, or the
+            registry cannot stream (`stream`).
+    """
 
     def __init__(
         self,
         registry: Registry,
         transport: Transport,
         *,
-        num_slots: int = 2,
         rollout_dtype: Any = "bfloat16",
-        when_full: WhenFull | str = WhenFull.WAIT,
-        wait_timeout: float = 60.0,
-        poll_interval: float = 0.05,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         align: int = DEFAULT_ALIGN,
         digests: bool | str = False,
@@ -161,39 +198,28 @@ class Publisher:
         name: str | None = None,
         clock: Clock | None = None,
         adapter: TensorAdapter | None = None,
+        slot_settings: SlotSettings | None = None,
+        **flat: Unpack[FlatPublisherArgs],
     ) -> None:
-        if not isinstance(num_slots, int) or num_slots < 2:
-            raise InvalidArgumentError(
-                f"num_slots must be an int >= 2 (one always holds the newest READY version), got {num_slots!r}"
-            )
-        if wait_timeout < 0 or poll_interval <= 0:
-            raise InvalidArgumentError("wait_timeout must be >= 0 and poll_interval > 0")
-        if not isinstance(digests, bool) and digests not in KINDS:
-            raise InvalidArgumentError(f"digests must be a bool or one of {', '.join(KINDS)}; got {digests!r}")
-        kind = BLAKE2B128 if digests is True else digests or None
-        if kind == BLAKE2B128 and device != "cpu":
-            raise InvalidArgumentError(
-                f"{BLAKE2B128} digests are computed on host slots only, not on {device!r}: "
-                f"pass digests={WSUM64!r} (computed on the slot's device) or device='cpu'"
-            )
-        if kind == WSUM64 and device != "cpu" and digester is None:
-            raise InvalidArgumentError(
-                f"{WSUM64} digests of a slot on {device!r} are computed there: pass "
-                "digester=weightpull.integrations.torch_digests.wsum64_digests (SnapshotPublisher does)"
-            )
+        unknown = sorted(set(flat) - {"num_slots", "when_full", "wait_timeout", "poll_interval"})
+        if unknown:
+            raise TypeError(f"Publisher() got an unexpected keyword argument {unknown[0]!r}")
+        self.settings = settings = PublisherSettings(
+            slots=merge(slot_settings, SlotSettings, dict(flat), "slot_settings"),
+            digests=digests,
+            digester=digester,
+            device=device,
+        )
         self.registry = registry
         self.transport = transport
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
-        try:
-            self.when_full = WhenFull(when_full)
-        except ValueError:
-            raise InvalidArgumentError(f"when_full must be one of wait, skip, fail; got {when_full!r}") from None
-        self.wait_timeout = wait_timeout
-        self.poll_interval = poll_interval
+        self.when_full = settings.slots.when_full
+        self.wait_timeout = settings.slots.wait_timeout
+        self.poll_interval = settings.slots.poll_interval
         self.bucket_bytes = bucket_bytes
         self.align = align
         self.digests = digests
-        self.digest_kind: str | None = kind  # None: no digests
+        self.digest_kind: str | None = settings.digest_kind  # None: no digests
         self.digester = digester
         self.stream = stream
         if stream:  # refused now, not at the first publish
@@ -202,7 +228,7 @@ class Publisher:
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
         self.adapter = adapter
-        self.slots = [_Slot(i) for i in range(num_slots)]
+        self.slots = [_Slot(i) for i in range(settings.slots.num_slots)]
         self.last_version: int | None = None  # the number the registry gave the last publish
         self.reservation: Reservation | None = None  # the slots `reserve` registered, last
         self._last_asked: int | None = None

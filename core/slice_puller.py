@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import Self, Unpack
 
 import anyio
 import attrs
@@ -24,19 +24,11 @@ from .errors import (
     RegionNotRegisteredError,
 )
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES
+from .leasing import FlatLeaseArgs, LeaseClient, Pacer
 from .manifest import Manifest
-from .puller import (
-    DEFAULT_STALL_TIMEOUT,
-    _default_holder,
-    _Pacer,
-    check_lease_settings,
-    check_line,
-    check_transport,
-    line_args,
-    read_under_lease,
-    release_quietly,
-)
+from .puller import check_transport
 from .registry import Lease, Registry
+from .settings import LeaseSettings, merge
 from .slices import RankSlice, SlicePlan, SliceRead, plan_slice
 from .transport import Read2D, Region, Remote, Transport
 
@@ -83,6 +75,36 @@ def _batches(reads: Sequence[SliceRead]) -> list[list[SliceRead]]:
 
 
 class SlicePuller:
+    """One tensor-parallel rank of a replica: pulls only its slice of each version.
+
+    Rank `rank_slice.rank` holds `rank_slice`'s parameters in a mirror on `device` packed
+    by (`bucket_bytes`, `align`). The lease, renewal and stall rules are the `Puller`'s,
+    and so is `publisher` (the line followed); the lease settings come grouped
+    (`lease=LeaseSettings(...)`) or flat (`ttl=`, `renew_every=`, `stall_timeout=`), as
+    a `Puller`'s do. Versions carry no digests for slices (a sharded version records
+    none), so none are checked.
+
+    Args:
+        registry: The registry versions are leased from.
+        transport: The driver that reads the bytes.
+        rank_slice: This rank's parameters (`RankSlice`).
+        holder: The name leases are held under; None: one below the registry's
+            principal's name.
+        device: Where the mirror lies: "cpu", or a GPU ("cuda:0").
+        staging: Feed a GPU mirror through pinned host memory; None decides by the
+            transport.
+        bucket_bytes: The bucket size the mirror is packed by.
+        align: The alignment the mirror is packed by.
+        clock: The local clock; `MonotonicClock` if None.
+        publisher: The line of versions followed (its publisher principal's name).
+        lease: The lease settings (`LeaseSettings`).
+        **flat: The same lease settings one by one (`FlatLeaseArgs`).
+
+    Raises:
+        InvalidArgumentError: a lease setting is out of range (all named at once), a flat
+            one contradicts `lease`, or `publisher` is not a principal's name.
+    """
+
     def __init__(
         self,
         registry: Registry,
@@ -90,31 +112,28 @@ class SlicePuller:
         rank_slice: RankSlice,
         *,
         holder: str | None = None,
-        ttl: float = 10.0,
-        renew_every: float | None = None,
         device: str = "cpu",
         staging: bool | None = None,
-        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         align: int = DEFAULT_ALIGN,
         clock: Clock | None = None,
         publisher: str | None = None,
+        lease: LeaseSettings | None = None,
+        **flat: Unpack[FlatLeaseArgs],
     ) -> None:
-        """Rank `rank_slice.rank` of a replica, holding `rank_slice`'s parameters in a
-        mirror on `device` packed by (`bucket_bytes`, `align`). The lease, renewal and
-        stall rules are the `Puller`'s, and so is `publisher` (the line followed). Versions carry no digests for slices (a sharded
-        version records none), so none are checked."""
-        self.renew_every = check_lease_settings(ttl, renew_every, stall_timeout)
+        unknown = sorted(set(flat) - {"ttl", "renew_every", "stall_timeout"})
+        if unknown:
+            raise TypeError(f"SlicePuller() got an unexpected keyword argument {unknown[0]!r}")
+        settings = merge(lease, LeaseSettings, dict(flat), "lease")
         self.registry = registry
         self.transport = transports.for_device(transport, device, staging)
         self.rank_slice = rank_slice
-        self.holder = holder or _default_holder(registry)
-        self.publisher = check_line(publisher)
-        self.ttl = ttl
-        self.device = device
-        self.stall_timeout = stall_timeout
-        self.bucket_bytes, self.align = bucket_bytes, align
         self.clock = clock or MonotonicClock()
+        self.leases = LeaseClient(registry, settings, holder=holder, clock=self.clock, publisher=publisher)
+        self.holder, self.publisher = self.leases.holder, self.leases.publisher
+        self.ttl, self.renew_every, self.stall_timeout = settings.ttl, settings.renew_interval, settings.stall_timeout
+        self.device = device
+        self.bucket_bytes, self.align = bucket_bytes, align
         self.mirror: Region | None = None
         self.mirror_version: int | None = None
         self._mirror_layout: str | None = None
@@ -134,8 +153,7 @@ class SlicePuller:
 
     async def _pull(self, version: int | None) -> SlicePulled:
         started = self.clock.now()
-        lease = await self.registry.acquire(version, ttl=self.ttl, holder=self.holder, **line_args(self.publisher))
-        pacer = _Pacer(self.renew_every, self.ttl, lease, started, self.clock.now())
+        lease, pacer = await self.leases.acquire(version)
         try:
             manifest = await self.registry.get(lease.version)
             check_transport(manifest, self.transport)
@@ -151,7 +169,7 @@ class SlicePuller:
             self.mirror_version = manifest.version
             return SlicePulled(manifest.version, manifest, plan, mirror, self.clock.now() - started, renewals)
         finally:
-            await release_quietly(self.registry, lease, self.holder)
+            await self.leases.release(lease)
 
     def _plan(self, manifest: Manifest) -> SlicePlan:
         """Plans depend on the layout, the shards' rows and their slots: made once per
@@ -168,7 +186,7 @@ class SlicePuller:
     async def _read_all(
         self,
         lease: Lease,
-        pacer: _Pacer,
+        pacer: Pacer,
         manifest: Manifest,
         plan: SlicePlan,
         remotes: list[Remote],
@@ -194,14 +212,10 @@ class SlicePuller:
                 for reads in _batches(plan.reads):
                     readers.start_soon(batch, reads, note)
 
-        return await read_under_lease(
-            self.registry,
+        return await self.leases.read(
             lease,
             pacer,
             read_all if plan.reads else None,
-            clock=self.clock,
-            holder=self.holder,
-            stall_timeout=self.stall_timeout,
             what=f"v{manifest.version}'s slice",
             total=plan.nbytes,
             source=f" over {manifest.transport}",

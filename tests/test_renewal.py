@@ -127,9 +127,9 @@ class OldPacer:
 async def test_the_old_pacing_fails_these_checks(rate, monkeypatch):
     """Control: with a fixed local sleep a slow clock renews too late (at r=0.25, after
     the lease lapsed: the copy is rejected) and a fast one far too often."""
-    import weightpull.puller
+    import weightpull.leasing
 
-    monkeypatch.setattr(weightpull.puller, "_Pacer", OldPacer)
+    monkeypatch.setattr(weightpull.leasing, "Pacer", OldPacer)
     if rate < 1 / 3:
         with pytest.raises(TornReadError):
             await slow_pull(rate)

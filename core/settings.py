@@ -1,0 +1,295 @@
+"""The settings of a `Puller`, a `SlicePuller` and a `Publisher`, grouped, and every rule
+they must keep checked here, in one place: each settings class checks its own fields
+as it is made, and the `PullerSettings`/`PublisherSettings` that a puller or publisher
+makes of all it was given check the rules across groups. Every rule broken is named in
+one `InvalidArgumentError`, with the argument, what was wrong and the fix.
+
+The old flat keyword arguments (`Puller(ttl=5.0)`) stay as good as the grouped form
+(`Puller(lease=LeaseSettings(ttl=5.0))`): `merge` makes the one of the other, and
+refuses a flat argument that contradicts the settings object given beside it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+from .digests import BLAKE2B128, KINDS, WSUM64
+from .errors import InvalidArgumentError
+from .transport import Region
+
+DEFAULT_STALL_TIMEOUT = 30.0
+_TORCH_DIGESTER = "weightpull.integrations.torch_digests.wsum64_digests"
+
+# What computes the wsum64 digests of a slot on a device, where it lies: given the slot
+# and each bucket's (offset, nbytes), each bucket's digest (``wsum64:<hex>``). Called in a
+# worker thread once the version's copies landed. The torch integration's is
+# `weightpull.integrations.torch_digests.wsum64_digests`.
+Digester = Callable[[Region, Sequence[tuple[int, int]]], Sequence[str]]
+
+
+def digester_hint() -> str:
+    """The digester a message names as the fix where a device needs one (wsum64 digests
+    computed, or checked, where a slot or mirror lies): the torch integration's."""
+    return _TORCH_DIGESTER
+
+
+def refuse(problems: Sequence[str], what: str) -> None:
+    """One `InvalidArgumentError` naming every problem of `what`, if there is any."""
+    if len(problems) == 1:
+        raise InvalidArgumentError(problems[0])
+    if problems:
+        raise InvalidArgumentError(f"{what}: {len(problems)} problems: " + "; ".join(problems))
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@attrs.frozen
+class LeaseSettings:
+    """How a reader holds its lease on the version it reads.
+
+    Args:
+        ttl: Seconds of the registry's clock a lease lives without a renewal. Positive.
+        renew_every: Seconds of the registry's clock between renewals while a read
+            runs; None: a third of `ttl`. Must be in (0, ttl), or every read longer
+            than the TTL is torn.
+        stall_timeout: A read in which no bucket lands for this many seconds of the
+            registry's clock ends with `NoProgressError`; None waits forever. It must
+            exceed the time one bucket takes.
+
+    Raises:
+        InvalidArgumentError: naming each argument out of range, and the fix.
+    """
+
+    ttl: float = 10.0
+    renew_every: float | None = None
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        ttl_ok = _number(self.ttl) and self.ttl > 0
+        if not ttl_ok:
+            problems.append(f"ttl must be positive, got {self.ttl!r}: pass the lease's lifetime in seconds")
+        if self.stall_timeout is not None and not (_number(self.stall_timeout) and self.stall_timeout > 0):
+            problems.append(
+                f"stall_timeout must be positive or None, got {self.stall_timeout!r}: "
+                "pass the seconds a read may go without progress, or None to wait forever"
+            )
+        if self.renew_every is not None and not _number(self.renew_every):
+            problems.append(f"renew_every must be a number of seconds or None, got {self.renew_every!r}")
+        elif ttl_ok and not 0 < self.renew_interval < self.ttl:  # else every read longer than the TTL is torn
+            problems.append(
+                f"renew_every must be in (0, ttl={self.ttl}), got {self.renew_every!r}: "
+                "renew well within the TTL, or leave it None (a third of it)"
+            )
+        refuse(problems, "LeaseSettings")
+
+    @property
+    def renew_interval(self) -> float:
+        """The seconds between renewals: `renew_every`, or a third of the TTL."""
+        return self.renew_every or self.ttl / 3
+
+
+@attrs.frozen
+class RelaySettings:
+    """How a puller reads from relays and serves as one (see `Puller`).
+
+    Args:
+        host: This replica's host name: each lease is then placed at a source the
+            registry picks (the version's slot or a relay's mirror, the same host's
+            first). None reads from the slot alone.
+        relay: Offer the mirror to other replicas while each pull fills it (needs
+            `host`, and a puller with `stream=True`).
+        relay_cap: The most leases the offer takes at once; None: no cap.
+        spare_mirror: Keep a second mirror, so that readers of this relay never hold
+            up its next pull (needs `host`).
+
+    Raises:
+        InvalidArgumentError: naming each argument that is wrong, and the fix.
+    """
+
+    host: str | None = None
+    relay: bool = False
+    relay_cap: int | None = None
+    spare_mirror: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
+            problems.append(f"host must be a non-empty string, got {self.host!r}: pass this replica's host name")
+        if self.relay and self.host is None:
+            problems.append(
+                "a puller relays a version while pulling it (relay=True) with host= and stream=True: pass host="
+            )
+        if self.spare_mirror and self.host is None:
+            problems.append("a spare mirror is for a relay's readers: it needs host=")
+        refuse(problems, "RelaySettings")
+
+
+@attrs.frozen
+class PullerSettings:
+    """Everything a `Puller` was given that a rule joins, checked together: what
+    `Puller` makes of its arguments (`Puller.settings`).
+
+    Args:
+        lease: How the lease is held (`LeaseSettings`).
+        relaying: Relays read from and served (`RelaySettings`).
+        device: Where the mirror lies: "cpu", or a GPU ("cuda:0").
+        stream: Read versions still being written.
+        verify_digests: Check the publisher's digests: None where the mirror allows,
+            True insists (on a GPU, with `digester`), False never (but relays' bytes).
+        digester: Checks wsum64 digests where a GPU mirror lies (`Digester`).
+
+    Raises:
+        InvalidArgumentError: naming every rule broken, and the fix.
+    """
+
+    lease: LeaseSettings = attrs.field(factory=LeaseSettings)
+    relaying: RelaySettings = attrs.field(factory=RelaySettings)
+    device: str = "cpu"
+    stream: bool = False
+    verify_digests: bool | None = None
+    digester: Digester | None = None
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        on_host = self.device == "cpu"
+        if self.verify_digests and not on_host and self.digester is None:
+            problems.append(
+                f"digests are verified on host mirrors, or on {self.device!r} by digester= "
+                f"({digester_hint()}); leave verify_digests unset to skip them there"
+            )
+        if self.relaying.host is not None and not on_host and self.digester is None:
+            problems.append(
+                f"reading from relays (host=) checks every bucket against the publisher's digests: a mirror "
+                f"on {self.device!r} checks them with digester={digester_hint()}"
+            )
+        if self.relaying.relay and not self.stream:
+            problems.append("a puller relays a version while pulling it (relay=True) with host= and stream=True")
+        refuse(problems, "Puller")
+
+
+class WhenFull(enum.Enum):
+    """What `publish` does when every slot holds a leased or newest version."""
+
+    WAIT = "wait"  # poll until a slot frees, at most `wait_timeout`, then SlotWaitTimeoutError
+    SKIP = "skip"  # publish nothing; the next version supersedes this one
+    FAIL = "fail"  # raise NoFreeSlotError at once
+
+
+def _when_full(value: object) -> object:
+    try:
+        return WhenFull(value)
+    except ValueError:
+        return value  # refused, with the others, by SlotSettings
+
+
+@attrs.frozen
+class SlotSettings:
+    """A publisher's slots, and what it does when none is free.
+
+    Args:
+        num_slots: Slots to write versions into; at least 2 (one always holds the
+            newest READY version).
+        when_full: `WhenFull` (or its value: "wait", "skip", "fail") when every slot
+            holds a leased or the newest version.
+        wait_timeout: With WAIT, seconds to wait for a slot before
+            `SlotWaitTimeoutError`; >= 0.
+        poll_interval: Seconds between looks for a free slot while waiting; > 0.
+
+    Raises:
+        InvalidArgumentError: naming each argument that is wrong, and the fix.
+    """
+
+    num_slots: int = 2
+    when_full: WhenFull = attrs.field(default=WhenFull.WAIT, converter=_when_full)
+    wait_timeout: float = 60.0
+    poll_interval: float = 0.05
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool) or self.num_slots < 2:
+            problems.append(
+                f"num_slots must be an int >= 2 (one always holds the newest READY version), got {self.num_slots!r}"
+            )
+        if not isinstance(self.when_full, WhenFull):
+            problems.append(f"when_full must be one of wait, skip, fail; got {self.when_full!r}")
+        if not (_number(self.wait_timeout) and self.wait_timeout >= 0):
+            problems.append(f"wait_timeout must be >= 0 seconds, got {self.wait_timeout!r}")
+        if not (_number(self.poll_interval) and self.poll_interval > 0):
+            problems.append(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
+        refuse(problems, "SlotSettings")
+
+
+@attrs.frozen
+class PublisherSettings:
+    """Everything a `Publisher` was given that a rule joins, checked together: what
+    `Publisher` makes of its arguments (`Publisher.settings`).
+
+    Args:
+        slots: The slots and the policy when none is free (`SlotSettings`).
+        digests: False records no digests; True BLAKE2b-128 of a host slot as bare hex;
+            "blake2b128" or "wsum64" that kind.
+        digester: Computes wsum64 digests where a device slot lies (`Digester`).
+        device: Where the slots lie: "cpu", or a GPU ("cuda:0").
+
+    Raises:
+        InvalidArgumentError: naming every rule broken, and the fix.
+    """
+
+    slots: SlotSettings = attrs.field(factory=SlotSettings)
+    digests: bool | str = False
+    digester: Digester | None = None
+    device: str = "cpu"
+
+    def __attrs_post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.digests, bool) and self.digests not in KINDS:
+            problems.append(f"digests must be a bool or one of {', '.join(KINDS)}; got {self.digests!r}")
+        elif self.digest_kind == BLAKE2B128 and self.device != "cpu":
+            problems.append(
+                f"{BLAKE2B128} digests are computed on host slots only, not on {self.device!r}: "
+                f"pass digests={WSUM64!r} (computed on the slot's device) or device='cpu'"
+            )
+        elif self.digest_kind == WSUM64 and self.device != "cpu" and self.digester is None:
+            problems.append(
+                f"{WSUM64} digests of a slot on {self.device!r} are computed there: pass "
+                f"digester={digester_hint()} (SnapshotPublisher does)"
+            )
+        refuse(problems, "Publisher")
+
+    @property
+    def digest_kind(self) -> str | None:
+        """The kind of digest recorded; None: none."""
+        if self.digests is True:
+            return BLAKE2B128
+        return self.digests or None
+
+
+S = TypeVar("S", LeaseSettings, RelaySettings, SlotSettings)
+
+
+def merge(given: S | None, kind: type[S], flat: Mapping[str, Any], argument: str) -> S:
+    """The settings object of a group, from the object given (`argument=`) and the flat
+    keyword arguments of the same group given beside it (`flat`: only those passed). A
+    flat argument that differs from the object's field is refused: say it once."""
+    fields = {f.name for f in attrs.fields(kind)}
+    unknown = sorted(set(flat) - fields)
+    if unknown:  # a bug of the caller's, not the user's
+        raise TypeError(f"{kind.__name__} has no {', '.join(unknown)}")
+    if given is None:
+        return kind(**flat)
+    if not isinstance(given, kind):
+        raise InvalidArgumentError(f"{argument} must be a {kind.__name__}, got {type(given).__name__}")
+    clashes = [f"{k}={v!r}" for k, v in flat.items() if getattr(given, k) != v]
+    if clashes:
+        raise InvalidArgumentError(
+            f"{', '.join(clashes)} contradicts {argument}={given!r}: give each setting once, "
+            f"in {argument}= or as a keyword argument"
+        )
+    return given
