@@ -11,7 +11,7 @@ of an earlier release never sees one it does not know.
 
 Adding an operation is one entry here plus its `RegistryMachine` method of the same name
 and argument names (a long poll: its `InProcessRegistry` method), then a thin typed method
-on `OperationsClient` (see docs/registry-service.md).
+on `OperationsClient` (see docs/guides/registry-service.md).
 
 The machine stays the authority: `callers` says who it lets in, for the docs and the
 tests; `RegistryMachine` enforces it from the `by=` principal each call is made as.
