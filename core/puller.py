@@ -24,6 +24,7 @@ import attrs
 from . import transports
 from .checking import DigestChecker
 from .clock import Clock, MonotonicClock
+from .connections import Connections
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -320,7 +321,7 @@ class Puller:
             **flat,
         )
         self.settings = settings
-        relays = settings.relaying
+        leasing, relays = settings.lease, settings.relaying
         if relays.host is not None and not isinstance(registry, RelayingRegistry):
             raise InvalidArgumentError(f"{type(registry).__name__} hands out no sources (host=)")
         self._registry = registry
@@ -338,6 +339,10 @@ class Puller:
         self.holder, self.publisher = self.leases.holder, self.leases.publisher
         self.relays = RelayServer(registry, relays, holder=self.holder, clock=self.clock, ttl=settings.lease.ttl)
         self.checker = DigestChecker(device, digester)
+        # The settings as attributes, as a puller has always had them.
+        self.ttl, self.renew_every, self.stall_timeout = leasing.ttl, leasing.renew_interval, leasing.stall_timeout
+        self.host, self.relay, self.relay_cap = relays.host, relays.relay, relays.relay_cap
+        self.spare_mirror = relays.spare_mirror
         self.device = device
         self.digester = digester
         self.verify_digests = (device == "cpu" or digester is not None) if verify_digests is None else verify_digests
@@ -348,7 +353,7 @@ class Puller:
         self.layout_signature: str | None = None
         self.layout_changes = 0
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
-        self._remotes: OrderedDict[bytes, Remote] = OrderedDict()
+        self._remotes = Connections(self.transport, _MAX_REMOTES)
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
         self._last: Pulled | None = None
         self._behind: int | None = None  # versions the mirror lagged when the last pull began
@@ -363,36 +368,6 @@ class Puller:
     def registry(self, registry: Registry) -> None:
         self._registry = self.leases.registry = registry
         self.relays.registry = cast(RelayingRegistry, registry)
-
-    # The settings as attributes, as a puller has always had them.
-    @property
-    def ttl(self) -> float:
-        return self.settings.lease.ttl
-
-    @property
-    def renew_every(self) -> float:
-        """The seconds between renewals (a third of the TTL unless set)."""
-        return self.settings.lease.renew_interval
-
-    @property
-    def stall_timeout(self) -> float | None:
-        return self.settings.lease.stall_timeout
-
-    @property
-    def host(self) -> str | None:
-        return self.settings.relaying.host
-
-    @property
-    def relay(self) -> bool:
-        return self.settings.relaying.relay
-
-    @property
-    def relay_cap(self) -> int | None:
-        return self.settings.relaying.relay_cap
-
-    @property
-    def spare_mirror(self) -> bool:
-        return self.settings.relaying.spare_mirror
 
     @property
     def offered(self) -> int | None:
@@ -893,21 +868,10 @@ class Puller:
         return await anyio.to_thread.run_sync(allocate) if self.transport.slow_allocate else allocate()
 
     def _remote(self, descriptor: bytes, keep: int = 1) -> Remote:
-        """Connect once per slot descriptor, not once per pull; never drop one of the
-        `keep` used last (a sharded pull uses one per shard)."""
-        remote = self._remotes.get(descriptor)
-        if remote is None:
-            remote = self._remotes[descriptor] = self.transport.connect(descriptor)
-            if len(self._remotes) > max(_MAX_REMOTES, keep):
-                self.transport.disconnect(self._remotes.popitem(last=False)[1])
-        self._remotes.move_to_end(descriptor)
-        return remote
+        return self._remotes.get(descriptor, keep)
 
     def _forget(self, manifest: Manifest) -> None:
-        for descriptor in [manifest.source] + [shard.source for shard in manifest.shards or ()]:
-            remote = self._remotes.pop(descriptor, None)
-            if remote is not None:
-                self.transport.disconnect(remote)
+        self._remotes.forget([manifest.source] + [shard.source for shard in manifest.shards or ()])
 
     async def __aenter__(self) -> Self:
         return self
@@ -920,9 +884,7 @@ class Puller:
         """Disconnect from every slot and deregister the mirror. The registry and the
         transport are the caller's: they stay open. Closing twice is harmless; a later
         `pull` registers a mirror afresh."""
-        for remote in self._remotes.values():
-            self.transport.disconnect(remote)
-        self._remotes.clear()
+        self._remotes.close()
         if self.mirror is not None:
             self.transport.deregister(self.mirror)
             self.mirror = None

@@ -18,6 +18,7 @@ import attrs
 
 from . import transports
 from .clock import Clock, MonotonicClock
+from .connections import Connections
 from .errors import (
     NoProgressError,
     PeerGoneError,
@@ -138,7 +139,7 @@ class SlicePuller:
         self.mirror_version: int | None = None
         self._mirror_layout: str | None = None
         self._plans: OrderedDict[tuple[int, str, tuple[bytes, ...]], SlicePlan] = OrderedDict()
-        self._remotes: dict[bytes, Remote] = {}
+        self._remotes = Connections(self.transport)
         self._lock: anyio.Lock | None = None
 
     async def pull(self, version: int | None = None) -> SlicePulled:
@@ -159,7 +160,7 @@ class SlicePuller:
             check_transport(manifest, self.transport)
             plan = self._plan(manifest)
             mirror = self._mirror_for(plan)
-            remotes = [self._remote(s) for s in plan.sources]
+            remotes = [self._remote(s, keep=len(plan.sources)) for s in plan.sources]
             self.mirror_version = None
             try:
                 lease, renewals = await self._read_all(lease, pacer, manifest, plan, remotes, mirror)
@@ -234,17 +235,11 @@ class SlicePuller:
         self._mirror_layout = plan.mirror.signature
         return self.mirror
 
-    def _remote(self, descriptor: bytes) -> Remote:
-        remote = self._remotes.get(descriptor)
-        if remote is None:
-            remote = self._remotes[descriptor] = self.transport.connect(descriptor)
-        return remote
+    def _remote(self, descriptor: bytes, keep: int = 1) -> Remote:
+        return self._remotes.get(descriptor, keep)
 
     def _forget(self, plan: SlicePlan) -> None:
-        for descriptor in plan.sources:
-            remote = self._remotes.pop(descriptor, None)
-            if remote is not None:
-                self.transport.disconnect(remote)
+        self._remotes.forget(plan.sources)
 
     async def __aenter__(self) -> Self:
         return self
@@ -256,9 +251,7 @@ class SlicePuller:
     async def aclose(self) -> None:
         """Disconnect from every slot and deregister the mirror; the registry and the
         transport stay the caller's."""
-        for remote in self._remotes.values():
-            self.transport.disconnect(remote)
-        self._remotes.clear()
+        self._remotes.close()
         if self.mirror is not None:
             self.transport.deregister(self.mirror)
             self.mirror = None
