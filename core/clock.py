@@ -22,6 +22,9 @@ T = TypeVar("T")
 
 @runtime_checkable
 class Clock(Protocol):
+    """What the core reads and waits on time through: any object with `now` and `sleep`
+    (`MonotonicClock`, `FakeClock`, `ScaledClock`, or one of a framework's)."""
+
     def now(self) -> float:
         """Seconds on a monotonic scale; only differences mean anything."""
 
@@ -30,6 +33,8 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
+    """The real clock: `time.monotonic()`, and anyio's sleep. The default everywhere."""
+
     def now(self) -> float:
         return time.monotonic()
 
@@ -43,7 +48,15 @@ class MonotonicClock:
 class ScaledClock:
     """A clock that runs at `rate` seconds per second of `base`: a host whose clock runs
     fast or slow against the registry's, for tests and fuzzing (leases and stalls are
-    judged on the registry's clock whatever this one says)."""
+    judged on the registry's clock whatever this one says).
+
+    Args:
+        base: The clock it runs against.
+        rate: Its seconds per second of `base`: 2.0 runs twice as fast.
+
+    Raises:
+        ValueError: `rate` is not a positive finite number.
+    """
 
     def __init__(self, base: Clock, rate: float) -> None:
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
@@ -61,7 +74,12 @@ class ScaledClock:
 
 
 class FakeClock:
-    """A clock that tests move by hand. Sleepers wake in deadline order."""
+    """A clock that tests move by hand (`advance`, or `autojump` in the background).
+    Sleepers wake in deadline order.
+
+    Args:
+        start: Its first `now()`.
+    """
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = float(start)
@@ -87,7 +105,14 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         """Move time forward and wake every sleeper now due. Never yields, so a caller
-        can also use it to model a process that froze for `seconds`."""
+        can also use it to model a process that froze for `seconds`.
+
+        Args:
+            seconds: How far; 0 wakes whoever is due now.
+
+        Raises:
+            ValueError: `seconds` is negative.
+        """
         if seconds < 0:
             raise ValueError(f"a clock cannot go back (advance by {seconds})")
         self._now += seconds
@@ -95,6 +120,7 @@ class FakeClock:
             heapq.heappop(self._sleepers)[2].set()
 
     def next_deadline(self) -> float | None:
+        """The earliest deadline a sleeper waits for, or None when none sleeps."""
         while self._sleepers and self._sleepers[0][2].is_set():
             heapq.heappop(self._sleepers)
         return self._sleepers[0][0] if self._sleepers else None

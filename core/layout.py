@@ -60,7 +60,17 @@ def _to_shape(value: Iterable[int]) -> tuple[int, ...]:
 
 @attrs.frozen
 class TensorSpec:
-    """A tensor as published: its name, its dtype after any cast, its shape."""
+    """A tensor as published: its name, its dtype after any cast, its shape.
+
+    Args:
+        name: A non-empty name, unique in its layout.
+        dtype: One of `DTYPE_SIZES` ("bfloat16", "float32", ...).
+        shape: Non-negative sizes.
+
+    Raises:
+        InvalidArgumentError: An empty name, a dtype not supported, or a negative or
+            non-integer size.
+    """
 
     name: str = attrs.field(validator=_check_name)
     dtype: str = attrs.field(validator=_check_dtype)
@@ -68,6 +78,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Its number of elements."""
         n = 1
         for d in self.shape:
             n *= d
@@ -75,12 +86,19 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """Its size in bytes."""
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
 @attrs.frozen(cache_hash=True)  # a key of each slot's views, looked up per tensor per publish
 class Placement:
-    """Where one tensor's bytes start in the slot, and in which bucket."""
+    """Where one tensor's bytes start in the slot, and in which bucket.
+
+    Attributes:
+        spec: The tensor.
+        offset: Its first byte in the slot.
+        bucket: The index of the bucket it lies in.
+    """
 
     spec: TensorSpec
     offset: int
@@ -88,12 +106,20 @@ class Placement:
 
     @property
     def end(self) -> int:
+        """One past its last byte in the slot."""
         return self.offset + self.spec.nbytes
 
 
 @attrs.frozen
 class Bucket:
-    """A contiguous byte range of the slot, read as one transfer."""
+    """A contiguous byte range of the slot, read as one transfer.
+
+    Attributes:
+        index: Its place among the layout's buckets.
+        offset: Its first byte in the slot.
+        nbytes: Its size.
+        names: The tensors in it, in slot order.
+    """
 
     index: int
     offset: int
@@ -103,6 +129,18 @@ class Bucket:
 
 @attrs.frozen
 class Layout(schema.Record):
+    """Where every tensor of a version lies in its slot, grouped into buckets
+    (`plan_layout` makes one). Index it by tensor name for the `Placement`.
+
+    Attributes:
+        placements: Every tensor's placement, in the order planned.
+        buckets: The buckets, in slot order.
+        total_bytes: The slot size it needs.
+        bucket_bytes: The bucket size it was planned with.
+        align: The alignment of every offset.
+        signature: Changes whenever a tensor's name, dtype or shape, or the packing, does.
+    """
+
     placements: tuple[Placement, ...]
     buckets: tuple[Bucket, ...]
     total_bytes: int
@@ -112,6 +150,11 @@ class Layout(schema.Record):
     _by_name: Mapping[str, Placement] = attrs.field(eq=False, repr=False)
 
     def __getitem__(self, name: str) -> Placement:
+        """The placement of the tensor called `name`.
+
+        Raises:
+            KeyError: No tensor of that name.
+        """
         try:
             return self._by_name[name]
         except KeyError:
@@ -125,6 +168,7 @@ class Layout(schema.Record):
 
     @property
     def specs(self) -> tuple[TensorSpec, ...]:
+        """Every tensor, in the order planned."""
         return tuple(p.spec for p in self.placements)
 
 
@@ -201,7 +245,20 @@ def plan_layout(
     align: int = DEFAULT_ALIGN,
 ) -> Layout:
     """Pack tensors, in the order given, into buckets of at most `bucket_bytes`; a
-    tensor larger than a bucket gets a bucket of its own. Offsets are `align`-aligned."""
+    tensor larger than a bucket gets a bucket of its own. Offsets are `align`-aligned.
+
+    Args:
+        specs: The tensors, in slot order.
+        bucket_bytes: The most bytes a bucket holds (but a tensor larger alone).
+        align: The alignment of every tensor's offset, a power of two.
+
+    Returns:
+        The layout; both sides plan the same one from the same arguments.
+
+    Raises:
+        InvalidArgumentError: No tensors, a name twice, `bucket_bytes` not positive, or
+            `align` not a power of two.
+    """
     specs = list(specs)
     if not specs:
         raise InvalidArgumentError("a layout needs at least one tensor")

@@ -35,7 +35,27 @@ def _check_version(_: Any, __: attrs.Attribute[int], value: int) -> None:
 
 @attrs.frozen
 class Manifest(schema.Record):
-    """One published version: its layout, where its bytes are and how to check them."""
+    """One published version: its layout, where its bytes are and how to check them.
+
+    The publisher writes it at commit; a reader gets it with its lease and reads the
+    bytes from `source` by `transport`.
+
+    Attributes:
+        version: The registry's number for it.
+        layout: Where each tensor lies in the slot.
+        transport: The driver that exported `source`.
+        source: The slot's descriptor, as the driver serialised it.
+        slot: The slot's index among its publisher's.
+        publisher: The name it was published under.
+        digests: One digest per bucket (bare hex, or `kind:hex`), or None.
+        shards: A sharded version's shards (each holds rows of the full `layout`);
+            `source`, `slot` and `publisher` repeat the first's.
+        step: The number its publisher asked for (its training step, say).
+
+    Raises:
+        InvalidArgumentError: A negative version, digests that do not match the buckets,
+            or shards that do not tile the layout or record digests.
+    """
 
     version: int = attrs.field(validator=_check_version)
     layout: Layout
@@ -68,6 +88,7 @@ class Manifest(schema.Record):
 
     @property
     def sharded(self) -> bool:
+        """Whether its bytes are spread over several shards' slots."""
         return bool(self.shards)
 
     @property
@@ -77,6 +98,7 @@ class Manifest(schema.Record):
 
     @property
     def nbytes(self) -> int:
+        """The size of the whole version, every shard's rows together."""
         return self.layout.total_bytes
 
 

@@ -23,6 +23,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class Role(enum.Enum):
+    """What a principal may do: publish versions, read them, or act for anyone."""
+
     PUBLISHER = "publisher"
     READER = "reader"
     ADMIN = "admin"
@@ -33,7 +35,17 @@ class Role(enum.Enum):
 
 def check_principal_name(name: object) -> str:
     """A principal's name: 1-64 letters, digits, '.', '_' or '-', first a letter or digit
-    (it names key files, and '/' separates the names a principal owns)."""
+    (it names key files, and '/' separates the names a principal owns).
+
+    Args:
+        name: The name to check.
+
+    Returns:
+        `name`, unchanged.
+
+    Raises:
+        InvalidArgumentError: It is not such a name.
+    """
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidArgumentError(
             f"a principal's name is 1-64 letters, digits, '.', '_' or '-' starting with a letter or digit, got {name!r}"
@@ -48,23 +60,40 @@ def root(name: str) -> str:
 
 @attrs.frozen
 class Principal(schema.Record):
+    """Who makes a registry operation: a role and a name. It owns its name and every name
+    below it (`trainer` owns `trainer/rank0`). A served registry learns it from the
+    client's key.
+
+    Args:
+        role: A `Role`, or its value ("publisher", "reader", "admin").
+        name: 1-64 letters, digits, '.', '_' or '-', first a letter or digit.
+
+    Raises:
+        InvalidArgumentError: The name is not such a name.
+        ValueError: The role is none of the three.
+    """
+
     role: Role = attrs.field(converter=Role)
     name: str = attrs.field(validator=lambda _, __, value: check_principal_name(value))
 
     @classmethod
     def publisher(cls, name: str) -> Principal:
+        """The publisher called `name` (a trainer)."""
         return cls(Role.PUBLISHER, name)
 
     @classmethod
     def reader(cls, name: str) -> Principal:
+        """The reader called `name` (a replica)."""
         return cls(Role.READER, name)
 
     @classmethod
     def admin(cls, name: str = "admin") -> Principal:
+        """An admin, who may act for anyone (an embedded registry's process by default)."""
         return cls(Role.ADMIN, name)
 
     @property
     def is_admin(self) -> bool:
+        """Whether its role is `Role.ADMIN`."""
         return self.role is Role.ADMIN
 
     def owns(self, name: str) -> bool:

@@ -17,7 +17,17 @@ from .states import VersionState
 
 @attrs.frozen
 class Lease(schema.Record):
-    """A reader's claim on one version, valid until `expires_at` on the registry's clock."""
+    """A reader's claim on one version, valid until `expires_at` on the registry's clock.
+
+    Attributes:
+        id: The lease's id, for renewing and releasing it.
+        version: The version it holds.
+        holder: The reader's holder name.
+        ttl: Seconds it lasts from each grant or renewal.
+        expires_at: When it lapses, on the registry's clock.
+        source: "" to read the version's own slot, else the relay whose mirror holds it.
+        descriptor: That relay mirror's descriptor ("" for the version's own slot).
+    """
 
     id: str
     version: int
@@ -32,6 +42,21 @@ class Lease(schema.Record):
 
 @attrs.frozen
 class VersionInfo(schema.Record):
+    """One version as the registry's status shows it.
+
+    Attributes:
+        version: Its number.
+        state: Where it stands (`VersionState`).
+        publisher: Who published it.
+        slot: The publisher's slot it lies in.
+        nbytes: Its size, once known.
+        age: Seconds since it began.
+        live_leases: Leases held on it now.
+        reason: Why it was aborted or retired, if said.
+        committed: Of a STREAMING version, the buckets committed so far.
+        slots: Of a sharded version, (publisher, slot) of every shard begun.
+    """
+
     version: int
     state: VersionState
     publisher: str
@@ -75,6 +100,16 @@ class Reservation(schema.Record):
 
 @attrs.frozen
 class LeaseInfo(schema.Record):
+    """One live lease as the registry's status shows it.
+
+    Attributes:
+        id: The lease's id.
+        version: The version it holds.
+        holder: The reader's holder name.
+        expires_in: Seconds it has left.
+        source: The relay it reads from ("" for the version's own slot).
+    """
+
     id: str
     version: int
     holder: str
@@ -98,6 +133,18 @@ class OfferInfo(schema.Record):
 
 @attrs.frozen
 class RegistryStatus(schema.Record):
+    """What `Registry.status` returns: every version, lease, replica and relay offer.
+
+    Attributes:
+        newest_ready: The default line's newest READY version, if any.
+        versions: Every version the registry holds.
+        leases: Every live lease.
+        serving: Each live replica's name and the version it serves.
+        alive: Each principal's seconds of liveness left (<= 0: lapsed); empty for a
+            registry that judges no liveness.
+        offers: Relays' offers, by version then holder.
+    """
+
     newest_ready: int | None
     versions: tuple[VersionInfo, ...]
     leases: tuple[LeaseInfo, ...]

@@ -36,7 +36,11 @@ def _int(what: str, value: Any, low: int = 0) -> int:
 
 
 def check_shard(index: Any, count: Any) -> tuple[int, int]:
-    """(index, count) once index lies in [0, count)."""
+    """(index, count) once index lies in [0, count).
+
+    Raises:
+        InvalidArgumentError: `count` is not an int >= 1, or `index` lies outside.
+    """
     count = _int("shard count", count, 1)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
         raise InvalidArgumentError(f"shard index must be in [0, {count}), got {index!r}")
@@ -57,7 +61,15 @@ def chunk_rows(total: int, index: int, count: int) -> Rows:
 
 
 def shard_layout(layout: Layout, rows: Sequence[Rows]) -> Layout:
-    """How a shard packs its rows of `layout`'s tensors into its slot."""
+    """How a shard packs its rows of `layout`'s tensors into its slot.
+
+    Args:
+        layout: The full layout.
+        rows: The [start, stop) rows of dim 0 it holds of each tensor, in order.
+
+    Returns:
+        The shard's slot layout, packed as `layout` is.
+    """
     specs = [
         TensorSpec(s.name, s.dtype, (stop - start, *s.shape[1:]))
         for s, (start, stop) in zip(layout.specs, rows, strict=True)
@@ -68,7 +80,20 @@ def shard_layout(layout: Layout, rows: Sequence[Rows]) -> Layout:
 @attrs.frozen
 class Shard(schema.Record):
     """One publisher's part of a sharded version: where its slot is, and the rows
-    [start, stop) of dim 0 it holds of each tensor of the manifest's layout, in order."""
+    [start, stop) of dim 0 it holds of each tensor of the manifest's layout, in order.
+
+    Attributes:
+        index: Its place among the shards, in [0, count).
+        count: How many shards the version has.
+        publisher: The shard publisher's name.
+        slot: Its slot's index among that publisher's.
+        source: Its slot's descriptor.
+        rows: The [start, stop) rows it holds of each tensor.
+
+    Raises:
+        InvalidArgumentError: An index outside [0, count), a negative slot, an empty
+            publisher, or rows that are not [start, stop) pairs.
+    """
 
     index: int
     count: int
@@ -84,7 +109,12 @@ class Shard(schema.Record):
             raise InvalidArgumentError(f"shard publisher must be a non-empty string, got {self.publisher!r}")
 
     def check(self, layout: Layout) -> None:
-        """Raise unless these rows fit `layout`'s tensors."""
+        """Raise unless these rows fit `layout`'s tensors.
+
+        Raises:
+            InvalidArgumentError: Rows of a different number of tensors, a tensor without
+                dim 0, or rows outside a tensor's.
+        """
         if len(self.rows) != len(layout):
             raise InvalidArgumentError(
                 f"shard {self.index} names rows of {len(self.rows)} tensors; the layout has {len(layout)}"
@@ -108,7 +138,12 @@ class Shard(schema.Record):
 
 def check_shards(layout: Layout, shards: Sequence[Shard]) -> None:
     """Raise unless `shards` are distinct parts of one sharding, each fitting `layout`;
-    once all `count` are there, their rows must tile every tensor exactly."""
+    once all `count` are there, their rows must tile every tensor exactly.
+
+    Raises:
+        InvalidArgumentError: Shards of different counts or the same index twice, rows
+            that do not fit, or (all there) a gap or an overlap.
+    """
     if not shards:
         return
     count = shards[0].count
@@ -132,7 +167,18 @@ def check_shards(layout: Layout, shards: Sequence[Shard]) -> None:
 class Sharding:
     """A shard publisher's place in a sharded version: shard `index` of `count`. For each
     tensor it publishes, `shapes` gives the full shape and `starts` the first dim-0 row
-    it holds; it holds as many rows as its own tensor has."""
+    it holds; it holds as many rows as its own tensor has. A sharded trainer's rank hands
+    one to its `Publisher` (`publish(..., sharding=)`).
+
+    Attributes:
+        index: This shard's place, in [0, count).
+        count: How many shards the version has.
+        shapes: Each tensor's full shape.
+        starts: Each tensor's first dim-0 row held here.
+
+    Raises:
+        InvalidArgumentError: An index outside [0, count).
+    """
 
     index: int
     count: int
@@ -146,7 +192,17 @@ class Sharding:
         self, local: Sequence[TensorSpec], *, bucket_bytes: int, align: int
     ) -> tuple[Layout, tuple[Rows, ...], Layout]:
         """(the full layout, the rows held of each tensor, this shard's slot layout)
-        for the tensors this shard holds, `local`."""
+        for the tensors this shard holds, `local`.
+
+        Args:
+            local: The tensors this shard holds, as its rank has them.
+            bucket_bytes: The bucket size of both layouts.
+            align: Their alignment.
+
+        Raises:
+            InvalidArgumentError: `shapes` and `starts` do not name exactly the tensors of
+                `local`, or a tensor is not a dim-0 slice of its full shape.
+        """
         names = [s.name for s in local]
         if set(names) != set(self.shapes) or set(names) != set(self.starts):
             missing = sorted((set(self.shapes) | set(self.starts)) - set(names))

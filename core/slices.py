@@ -58,7 +58,11 @@ class Piece:
     """Elements `box` (one [start, stop) per dim) of source tensor `source`, landing in a
     parameter with their first element at `at` (one index per parameter dim). A
     parameter may have more dims than its source: the leading extra ones take extent 1
-    (one expert of a stack)."""
+    (one expert of a stack).
+
+    Raises:
+        InvalidArgumentError: `box` is not [start, stop) pairs, or `at` not ints.
+    """
 
     source: str
     box: tuple[Span, ...] = attrs.field(converter=_spans)
@@ -66,17 +70,31 @@ class Piece:
 
     @property
     def extent(self) -> tuple[int, ...]:
+        """The box's size along each dim."""
         return tuple(b - a for a, b in self.box)
 
     @property
     def numel(self) -> int:
+        """The elements it covers."""
         return math.prod(self.extent)
 
 
 @attrs.frozen
 class Param:
     """One engine parameter of one rank, and the pieces it is made of. Elements no piece
-    covers stay zero (a vocab's padding rows)."""
+    covers stay zero (a vocab's padding rows). Made by `replicated`, `sharded`, `vocab`,
+    `fuse` and `stack`, or by hand.
+
+    Attributes:
+        name: The engine's parameter name.
+        dtype: Its dtype, its sources' (reads copy bytes; nothing is cast).
+        shape: Its shape on this rank.
+        pieces: Where its elements come from.
+
+    Raises:
+        InvalidArgumentError: A bad name, dtype or shape, a piece with the wrong number of
+            dims or that does not fit, or pieces that overlap.
+    """
 
     name: str
     dtype: str
@@ -109,12 +127,23 @@ class Param:
 
     @property
     def spec(self) -> TensorSpec:
+        """It as a tensor of the rank's mirror."""
         return TensorSpec(self.name, self.dtype, self.shape)
 
 
 @attrs.frozen
 class RankSlice:
-    """What rank `rank` of a replica's `ranks` holds: its parameters, in mirror order."""
+    """What rank `rank` of a replica's `ranks` holds: its parameters, in mirror order.
+    A `SlicePuller` pulls it; the vLLM integration records it from the engine.
+
+    Attributes:
+        rank: This rank, in [0, ranks).
+        ranks: The replica's tensor-parallel size.
+        params: Its parameters, in the order its mirror holds them.
+
+    Raises:
+        InvalidArgumentError: A rank outside [0, ranks), or no parameter.
+    """
 
     rank: int
     ranks: int
@@ -127,7 +156,12 @@ class RankSlice:
             raise InvalidArgumentError(f"rank {self.rank}'s slice names no parameter")
 
     def layout(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, align: int = DEFAULT_ALIGN) -> Layout:
-        """The rank's mirror: its parameters packed as a slot is."""
+        """The rank's mirror: its parameters packed as a slot is.
+
+        Args:
+            bucket_bytes: The bucket size to pack by.
+            align: The alignment of each parameter.
+        """
         return plan_layout([p.spec for p in self.params], bucket_bytes=bucket_bytes, align=align)
 
 
@@ -135,7 +169,11 @@ class RankSlice:
 
 
 def split(total: int, rank: int, ranks: int) -> Span:
-    """Rank `rank`'s even share of `total` (vLLM's tensor-parallel rule: it must divide)."""
+    """Rank `rank`'s even share of `total` (vLLM's tensor-parallel rule: it must divide).
+
+    Raises:
+        InvalidArgumentError: `total` does not split evenly over `ranks`.
+    """
     if total % ranks:
         raise InvalidArgumentError(f"{total} does not split evenly over {ranks} ranks")
     size = total // ranks
@@ -147,14 +185,30 @@ def _whole(shape: Sequence[int]) -> list[Span]:
 
 
 def replicated(spec: TensorSpec, name: str | None = None) -> Param:
-    """The whole tensor on every rank (norms, row-parallel biases)."""
+    """The whole tensor on every rank (norms, row-parallel biases).
+
+    Args:
+        spec: The version's tensor.
+        name: The engine's name for it, if not the tensor's.
+    """
     return Param(
         name or spec.name, spec.dtype, spec.shape, [Piece(spec.name, _whole(spec.shape), [0] * len(spec.shape))]
     )
 
 
 def sharded(spec: TensorSpec, dim: int, rank: int, ranks: int, name: str | None = None) -> Param:
-    """Rank `rank`'s share along `dim`: 0 for column-parallel, 1 for row-parallel."""
+    """Rank `rank`'s share along `dim`: 0 for column-parallel, 1 for row-parallel.
+
+    Args:
+        spec: The version's tensor.
+        dim: The dim it is split along.
+        rank: This rank.
+        ranks: The replica's tensor-parallel size.
+        name: The engine's name for it, if not the tensor's.
+
+    Raises:
+        InvalidArgumentError: The tensor has no dim `dim`, or it does not split evenly.
+    """
     if not 0 <= dim < len(spec.shape):
         raise InvalidArgumentError(f"{spec.name!r} of shape {list(spec.shape)} has no dim {dim}")
     box = _whole(spec.shape)
@@ -165,7 +219,18 @@ def sharded(spec: TensorSpec, dim: int, rank: int, ranks: int, name: str | None 
 
 def vocab(spec: TensorSpec, rank: int, ranks: int, *, pad_to: int = 64, name: str | None = None) -> Param:
     """A vocab-parallel embedding (or LM head): the vocab padded up to a multiple of
-    `pad_to` (vLLM pads to 64), then split evenly; the padding rows stay zero."""
+    `pad_to` (vLLM pads to 64), then split evenly; the padding rows stay zero.
+
+    Args:
+        spec: The version's embedding (vocab along dim 0).
+        rank: This rank.
+        ranks: The replica's tensor-parallel size.
+        pad_to: The multiple the vocab is padded up to.
+        name: The engine's name for it, if not the tensor's.
+
+    Raises:
+        InvalidArgumentError: The padded vocab does not split evenly.
+    """
     padded = -(-spec.shape[0] // pad_to) * pad_to
     start, stop = split(padded, rank, ranks)
     shape = (stop - start, *spec.shape[1:])
@@ -177,7 +242,16 @@ def vocab(spec: TensorSpec, rank: int, ranks: int, *, pad_to: int = 64, name: st
 
 
 def fuse(name: str, parts: Sequence[Param], dim: int = 0) -> Param:
-    """`parts` side by side along `dim` in one parameter (q/k/v, gate/up)."""
+    """`parts` side by side along `dim` in one parameter (q/k/v, gate/up).
+
+    Args:
+        name: The fused parameter's name.
+        parts: The parameters fused, in order.
+        dim: The dim they lie along.
+
+    Raises:
+        InvalidArgumentError: No parts, or parts whose dtypes or other dims differ.
+    """
     if not parts:
         raise InvalidArgumentError(f"fused parameter {name!r} needs parts")
     first = parts[0]
@@ -203,7 +277,15 @@ def fuse(name: str, parts: Sequence[Param], dim: int = 0) -> Param:
 
 
 def stack(name: str, parts: Sequence[Param]) -> Param:
-    """`parts` (experts) stacked along a new leading dim."""
+    """`parts` (experts) stacked along a new leading dim.
+
+    Args:
+        name: The stacked parameter's name.
+        parts: One parameter an expert, in order.
+
+    Raises:
+        InvalidArgumentError: No parts, or parts of different shapes or dtypes.
+    """
     if not parts or any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
         raise InvalidArgumentError(f"stacked parameter {name!r} needs parts of one shape and dtype")
     pieces = [Piece(pc.source, pc.box, [i, *pc.at]) for i, p in enumerate(parts) for pc in p.pieces]
@@ -333,9 +415,22 @@ def plan_slice(
 
     Each piece's dim-0 span is cut at the trainer shards' row boundaries; each cut is a
     box of that shard's packed tensor, read as 2-D reads where rows are strided (a
-    row-parallel share) and as one run where they are not. `InvalidArgumentError` when
-    the manifest is missing shards, a piece names a tensor the version lacks or reaches
-    outside it, or dtypes differ (reads copy bytes; nothing is cast)."""
+    row-parallel share) and as one run where they are not.
+
+    Args:
+        manifest: The version's manifest (every shard's, for a sharded one).
+        rank_slice: What the rank holds.
+        bucket_bytes: The bucket size of the rank's mirror.
+        align: The alignment of its parameters.
+
+    Returns:
+        The rank's mirror layout, the shards' descriptors and the reads.
+
+    Raises:
+        InvalidArgumentError: The manifest is missing shards, a piece names a tensor the
+            version lacks or reaches outside it, or dtypes differ (reads copy bytes;
+            nothing is cast).
+    """
     if not manifest.complete:
         raise InvalidArgumentError(f"v{manifest.version} is missing shards; a slice is planned from all of them")
     full = manifest.layout

@@ -21,8 +21,16 @@ from .errors import InvalidArgumentError, RegionNotRegisteredError, TransportErr
 
 @attrs.define(eq=False)
 class Region:
-    """Memory registered with a transport. `view` is set for host memory; `memory`
-    keeps the owning object (a bytearray, a pinned or device tensor...) alive."""
+    """Memory registered with a transport (what `Transport.allocate` and `register` return).
+
+    Attributes:
+        nbytes: Its size in bytes.
+        device: Where it lies: "cpu" or a device such as "cuda:0".
+        memory: The owning object (a bytearray, an mmap, a pinned or device tensor...),
+            kept alive as long as the region.
+        view: A writable byte view of host memory; None for device memory.
+        handle: The driver's own registration.
+    """
 
     nbytes: int
     device: str
@@ -31,6 +39,11 @@ class Region:
     handle: Any = None  # the driver's own registration
 
     def host_view(self) -> memoryview:
+        """The region's bytes, for host memory.
+
+        Raises:
+            InvalidArgumentError: The region lies on a device and has no host view.
+        """
         if self.view is None:
             raise InvalidArgumentError(f"region on {self.device} has no host view")
         return self.view
@@ -38,7 +51,14 @@ class Region:
 
 @attrs.define(eq=False)
 class Remote:
-    """A peer's region, as `connect` imported it from a descriptor."""
+    """A peer's region, as `Transport.connect` imported it from a descriptor.
+
+    Attributes:
+        nbytes: The size the descriptor claims; the peer's driver refuses reads past what
+            it registered.
+        descriptor: The bytes the peer's `Transport.export` made.
+        handle: The driver's own import of it.
+    """
 
     nbytes: int
     descriptor: bytes
@@ -76,7 +96,24 @@ def span_2d(offset: int, pitch: int, width: int, height: int) -> tuple[int, int]
 
 
 class Transport(ABC):
-    """One endpoint of a transport. Async reads; everything else is quick and sync."""
+    """One endpoint of a transport: registers memory, exports descriptors of it, and reads
+    a peer's registered memory one-sidedly. Async reads; everything else is quick and sync.
+
+    A driver subclasses it, names itself in `name` and registers with
+    `register_transport` (or the entry-point group `weightpull.transports`); the
+    conformance suite (`weightpull.drivers.testing`) checks what every driver must do.
+    Drivers translate their library's failures into `TransportError` subclasses:
+    `RegionNotRegisteredError` for a range or region not registered, `PeerGoneError` when
+    the peer's process is gone, `InvalidArgumentError` for memory or a descriptor it cannot
+    take, `TransportError` once closed.
+
+    Attributes:
+        name: The driver's name, as `create_transport` takes it and manifests record it.
+        reads_into_gpu: Reads land in GPU memory at device speed by the driver's own means
+            (else a puller stages a GPU mirror through pinned host memory).
+        slow_allocate: `allocate` may take seconds, so callers run it in a worker thread.
+        native_2d: `read_2d_many` posts a 2-D read's rows as one request.
+    """
 
     name: ClassVar[str]
     # Reads land in GPU memory at device speed by the driver's own means. A puller keeps a
@@ -91,59 +128,153 @@ class Transport(ABC):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        """Why this driver cannot run here (no GPU, too old a library...), or None."""
+        """Why this driver cannot run here (no GPU, too old a library...).
+
+        Returns:
+            The reason, for a user; None where it can run.
+        """
         return None
 
     def allocate(self, nbytes: int, device: str = "cpu") -> Region:
         """Allocate and register `nbytes`. Drivers override this for pinned or device
         memory; the default is anonymous host memory, which the OS zeroes lazily, so a
-        large slot costs nothing until it is written (no stall of the event loop)."""
+        large slot costs nothing until it is written (no stall of the event loop).
+
+        Args:
+            nbytes: The size in bytes.
+            device: "cpu", or a device the driver can allocate on.
+
+        Returns:
+            The registered region.
+
+        Raises:
+            InvalidArgumentError: The driver cannot allocate on `device`.
+        """
         if device != "cpu":
             raise InvalidArgumentError(f"{self.name} transport cannot allocate on {device!r}")
         return self.register(mmap.mmap(-1, nbytes) if nbytes else bytearray())
 
     @abstractmethod
     def register(self, memory: Any, device: str = "cpu") -> Region:
-        """Register memory the caller owns (any contiguous writable buffer on the host)."""
+        """Register memory the caller owns, so that peers can read it once exported.
+
+        Args:
+            memory: Any contiguous writable buffer on the host (or a device tensor, for a
+                driver that takes them).
+            device: Where `memory` lies.
+
+        Returns:
+            The registered region; it keeps `memory` alive.
+
+        Raises:
+            InvalidArgumentError: `memory` is read-only, not a buffer, or on a device the
+                driver cannot register.
+        """
 
     @abstractmethod
     def deregister(self, region: Region) -> None:
-        """Undo `register`; peers reading it get `RegionNotRegisteredError`."""
+        """Undo `register` (twice is harmless); later reads of it by peers raise
+        `RegionNotRegisteredError`.
+
+        Args:
+            region: A region this endpoint registered.
+        """
 
     @abstractmethod
     def export(self, region: Region) -> bytes:
-        """A descriptor a peer in any process can `connect` to."""
+        """A descriptor of `region` that a peer in any process can `connect` to.
+
+        Args:
+            region: A region this endpoint registered.
+
+        Returns:
+            The descriptor's bytes (what slots and manifests carry).
+
+        Raises:
+            RegionNotRegisteredError: This endpoint has not registered `region` (or
+                deregistered it).
+        """
 
     @abstractmethod
     def connect(self, descriptor: bytes) -> Remote:
-        """Import a peer's descriptor. Cheap to repeat; drivers may cache."""
+        """Import a peer's descriptor. Cheap to repeat; drivers may cache.
+
+        Args:
+            descriptor: What the peer's `export` made.
+
+        Returns:
+            The peer's region, to read from.
+
+        Raises:
+            InvalidArgumentError: `descriptor` is not one of this driver's.
+        """
 
     def disconnect(self, remote: Remote) -> None:  # noqa: B027 - optional hook
-        """Forget a peer region; drivers with per-peer state override this."""
+        """Forget a peer region; drivers with per-peer state override this.
+
+        Args:
+            remote: What `connect` returned.
+        """
 
     def prepare(self, remote: Remote, device: str = "cpu") -> None:  # noqa: B027 - optional hook
         """Do now what the first read from `remote` into `device` memory would (map it,
         page-lock it), so that the first version moves as quickly as the rest. It may take
         seconds: pullers call it from a worker thread, ahead of any version. Nothing by
-        default."""
+        default.
+
+        Args:
+            remote: What `connect` returned.
+            device: Where reads from it will land.
+        """
 
     def view(self, remote: Remote, device: str = "cpu") -> Region | None:
         """`remote`'s memory itself, mapped into this process so that `device` reads it in
         place (no copy): a GPU slot on this host for a CUDA device, a host slot for "cpu".
         None where this driver only copies (the default), or not into `device`. The region
         is the peer's: read it, never write it, and only while a lease holds its version
-        (`Puller.borrow`)."""
+        (`Puller.borrow`).
+
+        Args:
+            remote: What `connect` returned.
+            device: Where it would be read.
+
+        Returns:
+            The peer's memory as a region of this process, or None.
+        """
         return None
 
     @abstractmethod
     async def read(self, remote: Remote, remote_offset: int, local: Region, local_offset: int, nbytes: int) -> None:
-        """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`."""
+        """Copy `nbytes` from `remote` at `remote_offset` into `local` at `local_offset`,
+        one-sidedly: the peer's process takes no part beyond its `serve` loop, where its
+        driver needs one.
+
+        Args:
+            remote: The peer's region (`connect`).
+            remote_offset: Where in it the bytes start.
+            local: A region this endpoint registered.
+            local_offset: Where in it they land.
+            nbytes: How many bytes.
+
+        Raises:
+            RegionNotRegisteredError: A span lies outside what either side registered, or
+                `local` is not this endpoint's.
+            PeerGoneError: The peer's process is gone.
+            TransportError: This endpoint is closed, or the library failed.
+        """
 
     async def read_many(self, reads: Sequence[tuple[Remote, int, Region, int, int]]) -> None:
         """Make every `(remote, remote_offset, local, local_offset, nbytes)` read, concurrently;
         return once all landed. A driver whose reads are cheap to queue (device copies)
         overrides it to queue them all and wait once: a task per read costs more than a
-        device copy of a bucket."""
+        device copy of a bucket.
+
+        Args:
+            reads: Each read's `read` arguments.
+
+        Raises:
+            TransportError: The first read that failed, as `read` raises it.
+        """
         async with anyio.create_task_group() as tg:
             for r in reads:
                 tg.start_soon(self.read, *r)
@@ -161,7 +292,22 @@ class Transport(ABC):
     ) -> None:
         """Copy `height` rows of `width` bytes: row i from `remote` at `remote_offset + i *
         remote_pitch` into `local` at `local_offset + i * local_pitch` (a row-parallel
-        share of a weight is a column band: rows apart on both sides)."""
+        share of a weight is a column band: rows apart on both sides).
+
+        Args:
+            remote: The peer's region (`connect`).
+            remote_offset: Where the first row starts in it.
+            remote_pitch: Bytes from one row's start to the next's, there.
+            local: A region this endpoint registered.
+            local_offset: Where the first row lands in it.
+            local_pitch: Bytes from one row's start to the next's, here (at least `width`).
+            width: Bytes a row.
+            height: Rows.
+
+        Raises:
+            InvalidArgumentError: A negative size, or local rows that would overlap.
+            TransportError: As `read` raises it.
+        """
         await self.read_2d_many(
             [(remote, remote_offset, remote_pitch, local, local_offset, local_pitch, width, height)]
         )
@@ -170,7 +316,15 @@ class Transport(ABC):
         """Make every 2-D read (see `read_2d`), concurrently. The default makes one plain
         read per row through `read_many`; a driver that can post many rows as one
         request (a descriptor list, a 2-D device copy) overrides it and says so in
-        `native_2d`."""
+        `native_2d`.
+
+        Args:
+            reads: Each read's `read_2d` arguments, as a tuple.
+
+        Raises:
+            InvalidArgumentError: A read's sizes make no sense (see `read_2d`).
+            TransportError: The first read that failed, as `read` raises it.
+        """
         rows = [row for read in reads for row in rows_of(read)]
         try:
             for i in range(0, len(rows), _ROWS_AT_ONCE):  # a row-parallel share is ~10^5 rows: not all at once
@@ -185,7 +339,8 @@ class Transport(ABC):
         no task: its owner runs this one (`async with Publisher(...)` does)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
-        """Release every registration and connection."""
+        """Release every registration and connection (twice is harmless); later reads
+        raise `TransportError`."""
 
     async def __aenter__(self) -> Self:
         return self
