@@ -224,7 +224,16 @@ def problem(exc: BaseException, cls: type) -> str:
 
 
 def structure(data: Any, cls: type[T], error: type[InvalidArgumentError] = InvalidArgumentError) -> T:
-    """`data`, JSON values, as a `cls`, or `error` naming the class and every wrong field."""
+    """`data`, JSON values, as a `cls`.
+
+    Args:
+        data: What `unstructure` made (or anything a peer sent).
+        cls: The record class.
+        error: The error to raise, `InvalidArgumentError` or a subclass.
+
+    Raises:
+        InvalidArgumentError: `error`, naming the class and every wrong field.
+    """
     try:
         return converter.structure(data, cls)
     except (BaseValidationError, Refused, InvalidArgumentError) as exc:
@@ -251,8 +260,14 @@ class Record:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON object."""
         return as_object(self, type(self))
 
     @classmethod
     def from_dict(cls, data: Any) -> Self:
+        """The record `to_dict` made.
+
+        Raises:
+            InvalidArgumentError: Naming every field where anything is off.
+        """
         return structure(data, cls)

@@ -26,6 +26,14 @@ class _Part:
 
 @attrs.define
 class ShardAssembly:
+    """What the registry knows of one sharded version's parts, and the rules they keep.
+
+    Attributes:
+        version: The version's number.
+        count: How many shards it has.
+        parts: Each begun shard's part, by shard index.
+    """
+
     version: int
     count: int
     parts: dict[int, _Part] = attrs.Factory(dict)  # shard index -> its part
@@ -44,7 +52,11 @@ class ShardAssembly:
         return sorted(set(range(self.count)) - {i for i, p in self.parts.items() if p.manifest})
 
     def check_join(self, index: int, count: int) -> None:
-        """Refuse a shard that does not belong, or that already began."""
+        """Refuse a shard that does not belong, or that already began.
+
+        Raises:
+            InvalidArgumentError: `count` is not the version's, or shard `index` began.
+        """
         if self.count != count or index in self.parts:
             raise InvalidArgumentError(
                 f"shard {index} of {count} cannot join v{self.version}: it has {self.count} shards, "
@@ -52,11 +64,20 @@ class ShardAssembly:
             )
 
     def join(self, index: int, publisher: str, slot: int) -> None:
+        """Record shard `index` as begun into `publisher`'s `slot` (after `check_join`)."""
         self.parts[index] = _Part(publisher, slot)
 
     def commit(self, manifest: Manifest, *, state: VersionState, reason: str, announced: int) -> bool:
         """Record one shard's commit; True once every shard has committed. `state` and
-        `reason` are the version's, `announced` the highest version announced so far."""
+        `reason` are the version's, `announced` the highest version announced so far.
+
+        Raises:
+            InvalidArgumentError: The manifest names other than one shard, one not begun
+                for this version, one already committed, or disagrees with another
+                shard's layout or transport.
+            VersionStateError: The version is no longer WRITING.
+            VersionOrderError: A newer version was announced already.
+        """
         version = manifest.version
         if len(manifest.shards) != 1:
             raise InvalidArgumentError(
@@ -85,7 +106,11 @@ class ShardAssembly:
         return not self.waiting()
 
     def whole(self) -> Manifest:
-        """The version's manifest, naming every shard; `InvalidArgumentError` when the
-        shards do not tile the tensors (the version can then never be read)."""
+        """The version's manifest, naming every shard.
+
+        Raises:
+            InvalidArgumentError: The shards do not tile the tensors (the version can
+                then never be read).
+        """
         committed = [p.manifest for _, p in sorted(self.parts.items()) if p.manifest is not None]
         return attrs.evolve(committed[0], shards=[m.shards[0] for m in committed])

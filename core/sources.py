@@ -55,7 +55,19 @@ def _check_cap(_: Any, __: Any, value: object) -> None:
 
 @attrs.frozen
 class Source:
-    """One holder of a version, as the registry sees it when a reader asks."""
+    """One holder of a version, as the registry sees it when a reader asks.
+
+    Attributes:
+        name: The principal that serves it.
+        host: The host it is on.
+        leases: Its live leases.
+        cap: The most live leases it takes at once; None: no cap.
+        alive: False once its liveness lapsed: its offers are gone.
+        hops: 0 for the origin's slot, else relays between it and the origin, plus one.
+
+    Raises:
+        InvalidArgumentError: An empty name or host, a negative count, or a cap below 1.
+    """
 
     name: str = attrs.field(validator=_check_name("a source's name"))  # the principal that serves it
     host: str = attrs.field(validator=_check_name("a source's host"))
@@ -66,16 +78,22 @@ class Source:
 
     @property
     def full(self) -> bool:
+        """Whether it holds as many live leases as its cap."""
         return self.cap is not None and self.leases >= self.cap
 
     @property
     def is_relay(self) -> bool:
+        """Whether it is a relay's mirror, not the origin's slot."""
         return self.hops > 0
 
 
 @attrs.frozen
 class Reader:
-    """Who asks for a source: its name (never its own source) and its host."""
+    """Who asks for a source: its name (never its own source) and its host.
+
+    Raises:
+        InvalidArgumentError: An empty name or host.
+    """
 
     name: str = attrs.field(validator=_check_name("a reader's name"))
     host: str = attrs.field(validator=_check_name("a reader's host"))
@@ -105,8 +123,19 @@ def rank(source: Source, reader: Reader) -> tuple[bool, int, int, str]:
 def choose_source(sources: Iterable[Source], reader: Reader, *, exclude: Iterable[str] = ()) -> Source:
     """The source `reader` should lease its version at (the rules in the module's doc).
 
-    Raises `NoSourceError` when none is eligible; its message says whether every live
-    source is full (ask again when a lease ends) or none is left alive.
+    Args:
+        sources: Every holder of the version.
+        reader: Who asks.
+        exclude: Names of sources the reader will not be handed (one that failed it).
+
+    Returns:
+        The eligible source ranked first.
+
+    Raises:
+        NoSourceError: None is eligible; its message says whether every live source is
+            full (ask again when a lease ends) or none is left alive.
+        InvalidArgumentError: `reader` is not a `Reader`, `exclude` is a string, or a
+            source is not a `Source` or is listed twice.
     """
     if not isinstance(reader, Reader):
         raise InvalidArgumentError(f"reader must be a Reader, got {reader!r}")

@@ -18,6 +18,9 @@ from .errors import InvalidTransitionError
 
 
 class VersionState(enum.Enum):
+    """Where a version stands (`VERSION`; the diagrams are in the reference's state
+    machines page)."""
+
     WRITING = "WRITING"  # a publisher is copying it into a slot; invisible to readers
     STREAMING = "STREAMING"  # still being copied, bucket by bucket: readers who opt in read what is committed
     READY = "READY"  # announced: the newest READY version is what readers lease
@@ -30,10 +33,13 @@ class VersionState(enum.Enum):
 
     @property
     def being_written(self) -> bool:
+        """Whether it is WRITING or STREAMING."""
         return self in (VersionState.WRITING, VersionState.STREAMING)
 
 
 class VersionEvent(enum.Enum):
+    """What happens to a version (`VERSION`)."""
+
     STREAM = "stream"
     MARK = "mark"
     COMMIT = "commit"
@@ -46,6 +52,8 @@ class VersionEvent(enum.Enum):
 
 
 class LeaseState(enum.Enum):
+    """Where a lease stands (`LEASE`): held, released by its holder, or lapsed."""
+
     ACTIVE = "ACTIVE"
     RELEASED = "RELEASED"
     EXPIRED = "EXPIRED"
@@ -55,6 +63,8 @@ class LeaseState(enum.Enum):
 
 
 class LeaseEvent(enum.Enum):
+    """What happens to a lease (`LEASE`)."""
+
     RENEW = "renew"
     RELEASE = "release"
     EXPIRE = "expire"
@@ -64,6 +74,8 @@ class LeaseEvent(enum.Enum):
 
 
 class SlotState(enum.Enum):
+    """Where a publisher's slot stands (`SLOT`)."""
+
     FREE = "FREE"  # holds nothing a reader may want
     WRITING = "WRITING"  # the publisher is copying a version in
     HOLDING = "HOLDING"  # holds a committed version (READY or RETIRED)
@@ -73,6 +85,8 @@ class SlotState(enum.Enum):
 
 
 class SlotEvent(enum.Enum):
+    """What happens to a slot (`SLOT`)."""
+
     FILL = "fill"
     COMMIT = "commit"
     ABORT = "abort"
@@ -93,7 +107,15 @@ EventT = TypeVar("EventT", bound=enum.Enum)
 @attrs.frozen
 class Machine(Generic[StateT, EventT]):
     """One state machine: its transition table as data, and `fire` to step it. Typed,
-    so that `VERSION.fire(...)` is a `VersionState` to the type checker as well."""
+    so that `VERSION.fire(...)` is a `VersionState` to the type checker as well.
+
+    Attributes:
+        name: "version", "lease" or "slot".
+        states: Its states' enum.
+        events: Its events' enum.
+        initial: The state a new one starts in.
+        table: (state, event) -> the state after.
+    """
 
     name: str
     states: type[StateT]
@@ -102,7 +124,16 @@ class Machine(Generic[StateT, EventT]):
     table: Mapping[tuple[StateT, EventT], StateT]
 
     def fire(self, state: StateT, event: EventT, subject: str = "") -> StateT:
-        """The state after `event`, or `InvalidTransitionError` when `state` forbids it."""
+        """The state after `event` from `state`.
+
+        Args:
+            state: The state now.
+            event: What happens.
+            subject: What is stepped (`v3`, a lease id), named in the error.
+
+        Raises:
+            InvalidTransitionError: `state` does not allow `event`.
+        """
         try:
             return self.table[(state, event)]
         except KeyError:
@@ -177,7 +208,12 @@ VERSION_TRANSITIONS, LEASE_TRANSITIONS, SLOT_TRANSITIONS = VERSION.table, LEASE.
 
 
 def transition(machine: str, state: enum.Enum, event: enum.Enum, subject: str = "") -> enum.Enum:
-    """`fire` on the machine called `machine`, untyped; prefer `VERSION.fire` and its kin."""
+    """`fire` on the machine called `machine`, untyped; prefer `VERSION.fire` and its kin.
+
+    Raises:
+        InvalidTransitionError: `state` does not allow `event`.
+        KeyError: No machine of that name.
+    """
     fired: enum.Enum = _BY_NAME[machine].fire(state, event, subject)
     return fired
 
