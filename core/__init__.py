@@ -4,154 +4,168 @@ The trainer publishes a version into a slot it registered once; each replica lea
 newest version, reads it one-sidedly into its own mirror and keeps it only if the lease
 held throughout. `import weightpull` loads the core alone (anyio, attrs and cattrs): no torch,
 no transport library, no vLLM.
+
+The top level holds what a user writes (`__all__`) and the errors a user catches most.
+Every error is in `weightpull.errors`; the RL loop built on the protocol is `weightpull.rl`.
+A name that left the top level (`_MOVED`) still resolves there for one release, with a
+`DeprecationWarning` naming its new place.
 """
 
+from . import errors as _errors
+from . import layout as _layout
+from . import rl as _rl
+from . import sharding as _sharding
+from . import slices as _slices
+from . import transport as _transport
 from .clock import Clock, FakeClock, MonotonicClock
 from .errors import (
-    AgentFailedError,
-    ApplyCheckError,
-    ApplyError,
-    AuthenticationError,
-    DigestMismatchError,
-    DriverUnavailableError,
-    IncompleteApplyError,
     InvalidArgumentError,
-    InvalidTransitionError,
     LeaseExpiredError,
-    LeaseNotFoundError,
-    MalformedMessageError,
-    MessageTooLargeError,
-    NoFreeSlotError,
-    NoProducerError,
     NoProgressError,
     NoReadyVersionError,
-    NoSourceError,
-    PeerGoneError,
     PermissionDeniedError,
-    ProtocolError,
     PublishError,
     PullError,
-    RegionNotRegisteredError,
     RegistryError,
     RegistryUnavailableError,
-    ReplayedMessageError,
-    SlotWaitTimeoutError,
-    StaleSampleError,
     TornReadError,
     TransportError,
-    UnknownDriverError,
-    UnsupportedModelError,
-    VersionInUseError,
-    VersionNotFoundError,
-    VersionOrderError,
-    VersionStateError,
     VersionWaitTimeoutError,
     WeightpullError,
 )
-from .layout import Bucket, Layout, Placement, TensorSpec, plan_layout
+from .layout import Layout, TensorSpec, plan_layout
 from .manifest import Manifest
+from .moved import forward_names as _forward_names
 from .principals import Principal, Role
 from .publisher import Publisher, PublishResult, WhenFull
 from .puller import Pulled, Puller
-from .registry import InProcessRegistry, Lease, Registry, RegistryStatus, RelayingRegistry, connect_registry
+from .registry import (
+    InProcessRegistry,
+    Lease,
+    Registry,
+    RegistryStatus,
+    RelayingRegistry,
+    ReservingRegistry,
+    StreamingRegistry,
+    connect_registry,
+)
 from .rl.agent import EngineControl, PauseMode, UpdateAgent
 from .rl.dispatcher import Dispatcher, Prompt
-from .rl.staleness import Group, StalenessClock, Trajectory
-from .sharding import Shard, Sharding
+from .sharding import Sharding
 from .slice_puller import SlicePulled, SlicePuller
-from .slices import RankSlice, plan_slice
+from .slices import RankSlice
 from .states import LeaseState, SlotState, VersionState
 from .tensors import HostTensor, TensorAdapter
-from .transport import Region, Remote, Transport
+from .transport import Transport
 from .transports import create_transport, list_transports, register_transport
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgentFailedError",
-    "ApplyCheckError",
-    "ApplyError",
-    "AuthenticationError",
-    "Bucket",
-    "Clock",
-    "connect_registry",
-    "create_transport",
-    "DigestMismatchError",
-    "Dispatcher",
-    "DriverUnavailableError",
-    "EngineControl",
-    "FakeClock",
-    "Group",
-    "HostTensor",
-    "IncompleteApplyError",
-    "InProcessRegistry",
-    "InvalidArgumentError",
-    "InvalidTransitionError",
-    "Layout",
-    "Lease",
-    "LeaseExpiredError",
-    "LeaseNotFoundError",
-    "LeaseState",
-    "list_transports",
-    "MalformedMessageError",
-    "Manifest",
-    "MessageTooLargeError",
-    "MonotonicClock",
-    "NoFreeSlotError",
-    "NoProducerError",
-    "NoProgressError",
-    "NoReadyVersionError",
-    "PauseMode",
-    "PeerGoneError",
-    "PermissionDeniedError",
-    "Placement",
-    "plan_layout",
-    "plan_slice",
-    "Principal",
-    "Prompt",
-    "ProtocolError",
+    # publishing and pulling
     "Publisher",
-    "PublishError",
     "PublishResult",
-    "Pulled",
-    "Puller",
-    "PullError",
-    "RankSlice",
-    "Region",
-    "RegionNotRegisteredError",
-    "register_transport",
-    "Registry",
-    "RegistryError",
-    "RegistryStatus",
-    "RegistryUnavailableError",
-    "Remote",
-    "ReplayedMessageError",
-    "Role",
-    "Shard",
-    "Sharding",
-    "SlicePulled",
-    "SlicePuller",
-    "SlotState",
-    "SlotWaitTimeoutError",
-    "StalenessClock",
-    "StaleSampleError",
-    "TensorAdapter",
-    "TensorSpec",
-    "TornReadError",
-    "Trajectory",
-    "Transport",
-    "TransportError",
-    "UnknownDriverError",
-    "UnsupportedModelError",
-    "UpdateAgent",
-    "VersionInUseError",
-    "VersionNotFoundError",
-    "VersionOrderError",
-    "VersionState",
-    "VersionStateError",
-    "VersionWaitTimeoutError",
-    "WeightpullError",
     "WhenFull",
-    "NoSourceError",
+    "Puller",
+    "Pulled",
+    "SlicePuller",
+    "SlicePulled",
+    "RankSlice",
+    # the registry
+    "connect_registry",
+    "InProcessRegistry",
+    "Registry",
+    "StreamingRegistry",
+    "ReservingRegistry",
     "RelayingRegistry",
+    "Lease",
+    "RegistryStatus",
+    "Principal",
+    "Role",
+    # transports
+    "create_transport",
+    "list_transports",
+    "register_transport",
+    "Transport",
+    # what a version holds
+    "Manifest",
+    "Layout",
+    "TensorSpec",
+    "plan_layout",
+    "Sharding",
+    "TensorAdapter",
+    "HostTensor",
+    # states and clocks
+    "VersionState",
+    "LeaseState",
+    "SlotState",
+    "Clock",
+    "MonotonicClock",
+    "FakeClock",
+    # the RL loop's replica side (all of the loop: weightpull.rl)
+    "UpdateAgent",
+    "EngineControl",
+    "PauseMode",
+    "Dispatcher",
+    "Prompt",
+    # the errors a user catches most (every error: weightpull.errors)
+    "WeightpullError",
+    "InvalidArgumentError",
+    "RegistryError",
+    "RegistryUnavailableError",
+    "PermissionDeniedError",
+    "NoReadyVersionError",
+    "LeaseExpiredError",
+    "VersionWaitTimeoutError",
+    "PublishError",
+    "PullError",
+    "TornReadError",
+    "NoProgressError",
+    "TransportError",
 ]
+
+# Names the top level held before 0.2, and the module each lives in now.
+_MOVED = {
+    **{
+        name: _errors
+        for name in (
+            "AgentFailedError",
+            "ApplyCheckError",
+            "ApplyError",
+            "AuthenticationError",
+            "DigestMismatchError",
+            "DriverUnavailableError",
+            "IncompleteApplyError",
+            "InvalidTransitionError",
+            "LeaseNotFoundError",
+            "MalformedMessageError",
+            "MessageTooLargeError",
+            "NoFreeSlotError",
+            "NoProducerError",
+            "NoSourceError",
+            "PeerGoneError",
+            "ProtocolError",
+            "RegionNotRegisteredError",
+            "ReplayedMessageError",
+            "SlotWaitTimeoutError",
+            "StaleSampleError",
+            "UnknownDriverError",
+            "UnsupportedModelError",
+            "VersionInUseError",
+            "VersionNotFoundError",
+            "VersionOrderError",
+            "VersionStateError",
+        )
+    },
+    "Bucket": _layout,
+    "Placement": _layout,
+    "Region": _transport,
+    "Remote": _transport,
+    "Shard": _sharding,
+    "plan_slice": _slices,
+    "Group": _rl,
+    "StalenessClock": _rl,
+    "Trajectory": _rl,
+}
+
+__getattr__ = _forward_names(__name__, _MOVED)

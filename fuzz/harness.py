@@ -27,23 +27,18 @@ from weightpull import (
     HostTensor,
     InProcessRegistry,
     Lease,
-    NoFreeSlotError,
     NoProgressError,
     NoReadyVersionError,
-    PeerGoneError,
     Publisher,
     PublishError,
     PublishResult,
     Pulled,
     Puller,
-    RegionNotRegisteredError,
     Registry,
     SlotState,
-    SlotWaitTimeoutError,
     TornReadError,
     Transport,
     TransportError,
-    VersionOrderError,
     VersionState,
     WeightpullError,
     WhenFull,
@@ -51,6 +46,13 @@ from weightpull import (
 from weightpull.clock import ScaledClock
 from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.drivers.faulty import Faults, FaultyTransport
+from weightpull.errors import (
+    NoFreeSlotError,
+    PeerGoneError,
+    RegionNotRegisteredError,
+    SlotWaitTimeoutError,
+    VersionOrderError,
+)
 from weightpull.principals import Principal
 from weightpull.registry_machine import QUARANTINED_NUMBERS
 from weightpull.tensors import HostTensorAdapter

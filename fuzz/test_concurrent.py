@@ -18,15 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightpull import (
-    NoReadyVersionError,
-    PeerGoneError,
-    Publisher,
-    RegionNotRegisteredError,
-    TornReadError,
-    VersionWaitTimeoutError,
-    WhenFull,
-)
+from weightpull import NoReadyVersionError, Publisher, TornReadError, VersionWaitTimeoutError, WhenFull
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
 
 from .harness import _GRANTS, EPS, FAULTS, LAYOUTS, READER_RATES, TTL, Hang, World, autojump, note
 from .profiles import example, fuzz

@@ -27,7 +27,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from weightpull import InvalidTransitionError, LeaseExpiredError, LeaseNotFoundError, NoReadyVersionError, WhenFull
+from weightpull import LeaseExpiredError, NoReadyVersionError, WhenFull
+from weightpull.errors import InvalidTransitionError, LeaseNotFoundError
 
 from .harness import FAULTS, LAYOUTS, POLL, READER_RATES, TTL, WAIT_TIMEOUT, Loop, Reader, World
 from .profiles import example, fuzz

@@ -17,10 +17,9 @@ from weightpull import (
     PublishError,
     Puller,
     VersionState,
-    VersionStateError,
 )
 from weightpull.drivers.fake import FakeFabric, FakeTransport
-from weightpull.errors import PermissionDeniedError
+from weightpull.errors import PermissionDeniedError, VersionStateError
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal, root
 from weightpull.registry_machine import MAX_HELD_VERSIONS

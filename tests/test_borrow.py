@@ -6,17 +6,15 @@ import anyio
 import pytest
 
 from weightpull import (
-    DigestMismatchError,
     InvalidArgumentError,
     NoReadyVersionError,
-    PeerGoneError,
     PublishError,
     RegistryUnavailableError,
     TornReadError,
-    VersionNotFoundError,
     VersionState,
     VersionWaitTimeoutError,
 )
+from weightpull.errors import DigestMismatchError, PeerGoneError, VersionNotFoundError
 from weightpull.layout import TensorSpec
 from weightpull.transport import WrappedTransport
 

@@ -23,14 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightpull import (
-    DriverUnavailableError,
-    InvalidArgumentError,
-    PeerGoneError,
-    RegionNotRegisteredError,
-    create_transport,
-    list_transports,
-)
+from weightpull import InvalidArgumentError, create_transport, list_transports
 from weightpull.drivers.cuda_ipc import (
     CudaIpcTransport,
     driver_api,
@@ -41,6 +34,7 @@ from weightpull.drivers.cuda_ipc import (
     transport,
 )
 from weightpull.drivers.cuda_ipc.owners import boot_id
+from weightpull.errors import DriverUnavailableError, PeerGoneError, RegionNotRegisteredError
 
 OWNER = textwrap.dedent("""
     import sys

@@ -1,7 +1,8 @@
 import pytest
 
-from weightpull import InvalidArgumentError, PeerGoneError, RegionNotRegisteredError, TransportError
+from weightpull import InvalidArgumentError, TransportError
 from weightpull.drivers.fake import FakeFabric, FakeTransport
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
 
 pytestmark = pytest.mark.anyio
 

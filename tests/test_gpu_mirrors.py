@@ -5,8 +5,9 @@ GPU per bucket) for a GPU mirror of any other. tests/gpu/ pulls through it on a 
 import pytest
 import torch
 
-from weightpull import DriverUnavailableError, InProcessRegistry, Puller
+from weightpull import InProcessRegistry, Puller
 from weightpull.drivers.fake import FakeTransport
+from weightpull.errors import DriverUnavailableError
 
 
 def test_a_host_mirror_reads_through_the_driver_itself():

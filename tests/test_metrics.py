@@ -8,8 +8,9 @@ import urllib.request
 import anyio
 import pytest
 
-from weightpull import InvalidArgumentError, NoFreeSlotError, Publisher, RegistryError, TornReadError, WhenFull
+from weightpull import InvalidArgumentError, Publisher, RegistryError, TornReadError, WhenFull
 from weightpull.drivers.fake import FakeFabric, FakeFaults, FakeTransport
+from weightpull.errors import NoFreeSlotError
 
 from .conftest import autojump, host_tensors
 

@@ -13,10 +13,8 @@ import pytest
 from weightpull import (
     InProcessRegistry,
     InvalidArgumentError,
-    PeerGoneError,
     Publisher,
     Puller,
-    RegionNotRegisteredError,
     TransportError,
     create_transport,
     list_transports,
@@ -24,6 +22,7 @@ from weightpull import (
 from weightpull.drivers import nixl as nixl_driver
 from weightpull.drivers.nixl import NixlTransport, nixl_errors
 from weightpull.drivers.testing.conformance import ProcessPeer, pattern
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
 from weightpull.integrations.bench.pull import BenchConfig, PublisherProcess, digest
 
 pytestmark = pytest.mark.anyio

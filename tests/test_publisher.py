@@ -4,15 +4,13 @@ import pytest
 from weightpull import (
     HostTensor,
     InvalidArgumentError,
-    NoFreeSlotError,
     Publisher,
     PublishError,
     SlotState,
-    SlotWaitTimeoutError,
     TransportError,
-    VersionOrderError,
     VersionState,
 )
+from weightpull.errors import NoFreeSlotError, SlotWaitTimeoutError, VersionOrderError
 from weightpull.transport import WrappedTransport
 
 from .conftest import autojump, host_tensors

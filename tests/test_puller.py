@@ -1,16 +1,9 @@
 import anyio
 import pytest
 
-from weightpull import (
-    DigestMismatchError,
-    InvalidArgumentError,
-    NoReadyVersionError,
-    RegionNotRegisteredError,
-    TornReadError,
-    TransportError,
-    VersionStateError,
-)
+from weightpull import InvalidArgumentError, NoReadyVersionError, TornReadError, TransportError
 from weightpull.drivers.fake import FakeFaults
+from weightpull.errors import DigestMismatchError, RegionNotRegisteredError, VersionStateError
 
 from .conftest import autojump, host_tensors
 

@@ -5,17 +5,19 @@ from weightpull import (
     FakeClock,
     InProcessRegistry,
     InvalidArgumentError,
-    InvalidTransitionError,
     LeaseExpiredError,
     Manifest,
     NoReadyVersionError,
+    VersionState,
+    VersionWaitTimeoutError,
+    plan_layout,
+)
+from weightpull.errors import (
+    InvalidTransitionError,
     VersionInUseError,
     VersionNotFoundError,
     VersionOrderError,
-    VersionState,
     VersionStateError,
-    VersionWaitTimeoutError,
-    plan_layout,
 )
 from weightpull.layout import TensorSpec
 

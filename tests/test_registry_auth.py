@@ -18,8 +18,8 @@ import time
 import anyio
 import pytest
 
-from weightpull import Lease, Manifest, NoReadyVersionError, VersionNotFoundError, VersionState, plan_layout
-from weightpull.errors import AuthenticationError, InvalidArgumentError, PermissionDeniedError
+from weightpull import Lease, Manifest, NoReadyVersionError, VersionState, plan_layout
+from weightpull.errors import AuthenticationError, InvalidArgumentError, PermissionDeniedError, VersionNotFoundError
 from weightpull.layout import TensorSpec
 from weightpull.principals import ADMIN, Principal
 

@@ -7,20 +7,22 @@ import pytest
 from weightpull import (
     FakeClock,
     InvalidArgumentError,
-    InvalidTransitionError,
     LeaseExpiredError,
-    LeaseNotFoundError,
     Manifest,
     NoReadyVersionError,
-    Shard,
     TensorSpec,
-    VersionInUseError,
-    VersionNotFoundError,
     VersionState,
-    VersionStateError,
     plan_layout,
 )
+from weightpull.errors import (
+    InvalidTransitionError,
+    LeaseNotFoundError,
+    VersionInUseError,
+    VersionNotFoundError,
+    VersionStateError,
+)
 from weightpull.registry import InProcessRegistry, RegistryMachine
+from weightpull.sharding import Shard
 
 LAYOUT = plan_layout([TensorSpec("w", "uint8", (4,))])
 ROWS = {0: (0, 2), 1: (2, 4)}  # two shards of the one tensor's rows

@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from weightpull import FakeClock, Manifest, TensorSpec, VersionInUseError, VersionState, plan_layout
+from weightpull import FakeClock, Manifest, TensorSpec, VersionState, plan_layout
+from weightpull.errors import VersionInUseError
 from weightpull.registry import RegistryMachine
 
 LAYOUT = plan_layout([TensorSpec("w", "uint8", (4,))])

@@ -13,12 +13,10 @@ import anyio
 import pytest
 
 from weightpull import (
-    AuthenticationError,
     InProcessRegistry,
     InvalidArgumentError,
     Lease,
     Manifest,
-    NoFreeSlotError,
     Publisher,
     Puller,
     RegistryStatus,
@@ -27,7 +25,7 @@ from weightpull import (
     WeightpullError,
     plan_layout,
 )
-from weightpull.errors import MalformedMessageError, RegistryUnavailableError
+from weightpull.errors import AuthenticationError, MalformedMessageError, NoFreeSlotError, RegistryUnavailableError
 from weightpull.layout import TensorSpec
 
 pytest.importorskip("zmq")

@@ -12,18 +12,14 @@ from weightpull import (
     HostTensor,
     InvalidArgumentError,
     Manifest,
-    NoFreeSlotError,
     PublishError,
-    Shard,
     Sharding,
     TensorSpec,
-    VersionInUseError,
-    VersionNotFoundError,
     VersionState,
-    VersionStateError,
     plan_layout,
 )
-from weightpull.sharding import chunk_rows, row_bytes
+from weightpull.errors import NoFreeSlotError, VersionInUseError, VersionNotFoundError, VersionStateError
+from weightpull.sharding import Shard, chunk_rows, row_bytes
 from weightpull.tensors import HostTensorAdapter
 
 pytestmark = pytest.mark.anyio

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from weightpull import InvalidTransitionError
+from weightpull.errors import InvalidTransitionError
 from weightpull.states import (
     ALL,
     LEASE,

@@ -6,7 +6,6 @@ import attrs
 import pytest
 
 from weightpull import (
-    DigestMismatchError,
     FakeClock,
     InProcessRegistry,
     InvalidArgumentError,
@@ -16,9 +15,14 @@ from weightpull import (
     Puller,
     TornReadError,
     VersionState,
-    VersionStateError,
 )
-from weightpull.errors import NoReadyVersionError, PermissionDeniedError, VersionWaitTimeoutError
+from weightpull.errors import (
+    DigestMismatchError,
+    NoReadyVersionError,
+    PermissionDeniedError,
+    VersionStateError,
+    VersionWaitTimeoutError,
+)
 from weightpull.layout import TensorSpec, plan_layout
 from weightpull.principals import Principal
 from weightpull.tensors import HostTensorAdapter

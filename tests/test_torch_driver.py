@@ -5,8 +5,9 @@ tests/torch_transport in .venv-torch, under torch 2.15."""
 import pytest
 import torch
 
-from weightpull import DriverUnavailableError, create_transport, list_transports
+from weightpull import create_transport, list_transports
 from weightpull.drivers.torch_transport import TorchTransport
+from weightpull.errors import DriverUnavailableError
 
 
 def test_on_an_older_torch_it_says_why():

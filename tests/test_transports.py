@@ -4,15 +4,9 @@ import textwrap
 
 import pytest
 
-from weightpull import (
-    DriverUnavailableError,
-    Transport,
-    UnknownDriverError,
-    create_transport,
-    list_transports,
-    register_transport,
-)
+from weightpull import Transport, create_transport, list_transports, register_transport
 from weightpull.drivers.fake import FakeTransport
+from weightpull.errors import DriverUnavailableError, UnknownDriverError
 from weightpull.transports import _registered
 
 

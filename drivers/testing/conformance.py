@@ -21,8 +21,9 @@ from typing import Any, Protocol
 import anyio
 import attrs
 
-from weightpull import Region, Transport, create_transport
+from weightpull import Transport, create_transport
 from weightpull.drivers.fake import FakeFabric, FakeTransport
+from weightpull.transport import Region
 
 KIT_ENTRY_POINT_GROUP = "weightpull.conformance_kits"
 

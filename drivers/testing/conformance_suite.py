@@ -13,7 +13,9 @@ import os
 import anyio
 import pytest
 
-from weightpull import InvalidArgumentError, PeerGoneError, RegionNotRegisteredError, Remote, TransportError
+from weightpull import InvalidArgumentError, TransportError
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
+from weightpull.transport import Remote
 
 from .conformance import DEFAULT_DRIVERS, kit_for, pattern
 

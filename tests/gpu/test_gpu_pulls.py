@@ -13,17 +13,10 @@ import anyio
 import pytest
 import torch
 
-from weightpull import (
-    InProcessRegistry,
-    InvalidArgumentError,
-    PeerGoneError,
-    Publisher,
-    Puller,
-    RegionNotRegisteredError,
-    create_transport,
-)
+from weightpull import InProcessRegistry, InvalidArgumentError, Publisher, Puller, create_transport
 from weightpull.drivers.cuda_ipc import cuda, mappings
 from weightpull.drivers.testing.conformance import ProcessPeer
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
 from weightpull.integrations.bench.gpu import PublisherProcess, checksums, make_tensors, mirror_checksums
 from weightpull.integrations.torch_staging import HostStaged
 from weightpull.integrations.torch_tensors import as_tensors

@@ -14,18 +14,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from weightpull import (
-    InvalidArgumentError,
-    PeerGoneError,
-    Puller,
-    RegionNotRegisteredError,
-    TransportError,
-    create_transport,
-    list_transports,
-)
+from weightpull import InvalidArgumentError, Puller, TransportError, create_transport, list_transports
 from weightpull.drivers.testing.conformance import ProcessPeer
 from weightpull.drivers.torch_transport import TorchTransport, torch_errors
 from weightpull.drivers.zmq_registry.client import ZmqRegistry
+from weightpull.errors import PeerGoneError, RegionNotRegisteredError
 
 from ..conftest import host_tensors
 from ..served import SECRET, ServedRegistry, env
