@@ -43,7 +43,9 @@ def _memmove(dst: memoryview, src: memoryview) -> None:
 
 
 class FakeFabric:
-    """The shared memory space of a set of fake transports (one per process by default)."""
+    """The shared memory space of a set of fake transports (one per process by default):
+    a fake transport reads only regions of its own fabric, as a real one reads only what
+    its network reaches."""
 
     _default: FakeFabric | None = None
 
@@ -57,6 +59,7 @@ class FakeFabric:
 
     @classmethod
     def default(cls) -> FakeFabric:
+        """The process's fabric, which fake transports share unless given another."""
         if cls._default is None:
             cls._default = cls()
         return cls._default
@@ -69,6 +72,11 @@ FakeFaults = Faults  # the fake's knobs: the faults any driver can be wrapped in
 
 
 class FakeTransport(Transport):
+    """The `fake` driver: in-process host memory, with fault knobs (`Faults`: a delay,
+    a bandwidth, failed and torn reads), for tests and the demo. Its reads reach the
+    regions of its fabric, in this process; its faults are those `FaultyTransport` wraps
+    any driver in."""
+
     name = "fake"
     native_2d = True
     slow_allocate = False  # a bytearray: instant, and fake-clock runs stay deterministic
@@ -81,8 +89,17 @@ class FakeTransport(Transport):
         fabric: FakeFabric | None = None,
         offload: bool | None = None,
     ) -> None:
-        """`offload` copies in worker threads, off the event loop (the default on a real
-        clock); under a `FakeClock` copies run inline and take no time, so tests replay."""
+        """Make an endpoint on `fabric`.
+
+        Args:
+            clock: The clock its injected latencies run on.
+            faults: The faults it injects (none by default).
+            fabric: The memory space it shares with other fake transports (default: the
+                process's).
+            offload: Copy in worker threads, off the event loop (the default on a real
+                clock); under a `FakeClock` copies run inline and take no time, so tests
+                replay.
+        """
         self.clock = clock or MonotonicClock()
         self.offload = not isinstance(self.clock, FakeClock) if offload is None else offload
         self.faults = faults or FakeFaults()

@@ -165,6 +165,15 @@ def _describe(memory: Any, device: str) -> tuple[int, int, int, str, str, memory
 
 
 class NixlTransport(RegionTable, Transport):
+    """The `nixl` driver: NIXL over UCX, between processes and hosts (TCP, RDMA, shared
+    memory, whatever UCX finds), host memory and, where UCX has a GPU path, CUDA memory.
+    Made by `create_transport("nixl", ...)` with the same keyword arguments. Needs the
+    `nixl` extra.
+
+    Raises:
+        InvalidArgumentError: `threads` is not a positive int.
+    """
+
     name = "nixl"
     native_2d = True
 
@@ -176,10 +185,17 @@ class NixlTransport(RegionTable, Transport):
         threads: int = 1,
         progress_interval: float = 0.001,
     ) -> None:
-        """`pinned` allocates host memory page-locked (through torch), for fast copies to a
-        GPU afterwards. `threads` > 1 posts that many transfers at once, each on its own
-        UCX worker (it did not pay on the machines measured; see docs/guides/transports.md).
-        `progress_interval` is how often `serve()` polls the agent."""
+        """Make an endpoint; its NIXL agent is made on first use.
+
+        Args:
+            agent_name: The agent's name, unique among its peers (default: one made of the
+                process id and a random part).
+            pinned: Allocate host memory page-locked (through torch), for fast copies to a
+                GPU afterwards.
+            threads: Post that many transfers at once, each on its own UCX worker (it did
+                not pay on the machines measured; see docs/guides/transports.md).
+            progress_interval: Seconds between `serve()`'s polls of the agent.
+        """
         if not isinstance(threads, int) or threads < 1:
             raise InvalidArgumentError(f"threads must be a positive int, got {threads!r}")
         self.agent_name = agent_name or f"weightpull-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -132,11 +132,19 @@ def _flat(memory: Any, device: str) -> tuple[Any, memoryview | None, str]:
 
 
 class TorchTransport(RegionTable, Transport):
+    """The `torch` driver: `torch.distributed._transport` (torch >= 2.15) over its nixl
+    backend, host and CUDA memory. Needs the `torch-transport` extra;
+    `unavailable_reason` says what is missing."""
+
     name = "torch"
 
     def __init__(self, *, timeout: float = 60.0, progress_interval: float = 0.001) -> None:
-        """`timeout` bounds torch's own waits (its lock, a transfer); `progress_interval`
-        is how often `serve()` polls the home endpoint."""
+        """Make an endpoint; torch's endpoints are made on first use.
+
+        Args:
+            timeout: Seconds that bound torch's own waits (its lock, a transfer).
+            progress_interval: Seconds between `serve()`'s polls of the home endpoint.
+        """
         self.timeout = timeout
         self.progress_interval = progress_interval
         self._home: Any = None

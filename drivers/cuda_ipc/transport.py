@@ -85,13 +85,24 @@ def _device_index(device: str) -> int:
 
 
 class CudaIpcTransport(RegionTable, Transport):
+    """The `cuda_ipc` driver: processes of one host, GPU slots over CUDA IPC and host slots
+    in page-locked shared memory, read by device copies (a GPU on the host reads a slot
+    on another peer-to-peer). Needs torch and a CUDA device; `unavailable_reason` says
+    why not.
+    """
+
     name = "cuda_ipc"
     reads_into_gpu = True
     native_2d = True
 
     def __init__(self, *, device: str | None = None) -> None:
-        """`device` copies into host regions (default: the current CUDA device); reads into
-        a GPU region run on that region's own GPU."""
+        """Make an endpoint; it removes the files of owners on this host that died without
+        closing.
+
+        Args:
+            device: The GPU that copies into host regions (default: the current CUDA
+                device); reads into a GPU region run on that region's own GPU.
+        """
         self._device = device
         self._index: int | None = None
         self._regions: dict[_Registration, Region] = {}
@@ -116,6 +127,11 @@ class CudaIpcTransport(RegionTable, Transport):
 
     @property
     def device(self) -> int:
+        """The index of the GPU that copies into host regions.
+
+        Raises:
+            InvalidArgumentError: The `device` given is not a CUDA device.
+        """
         if self._index is None:
             self._index = _device_index(self._device or "cuda")
         return self._index
