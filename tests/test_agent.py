@@ -2,8 +2,8 @@ import anyio
 import pytest
 
 from tests.conftest import autojump, host_tensors
-from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.errors import AgentFailedError, ApplyError, InvalidArgumentError, TornReadError, VersionWaitTimeoutError
+from weightpull.rl.agent import PauseMode, UpdateAgent
 
 pytestmark = pytest.mark.anyio
 

@@ -3,8 +3,8 @@ import pytest
 
 from tests.conftest import autojump
 from weightpull import FakeClock
-from weightpull.rl.dispatcher import Dispatcher, DispatchQueue, Prompt, ReplicaView
 from weightpull.errors import AgentFailedError, InvalidArgumentError
+from weightpull.rl.dispatcher import Dispatcher, DispatchQueue, Prompt, ReplicaView
 from weightpull.rl.staleness import Trajectory
 
 pytestmark = pytest.mark.anyio

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from weightpull.clock import FakeClock
-from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import InvalidArgumentError, InvalidTransitionError
+from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.ledger import Ledger, MemoryStore, PromptState, SqliteStore, claimable
 from weightpull.rl.staleness import Trajectory
 

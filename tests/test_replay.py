@@ -8,8 +8,8 @@ import pytest
 
 from tests.conftest import autojump
 from weightpull.clock import FakeClock
-from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import AgentFailedError, InvalidArgumentError, StaleSampleError
+from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.health import Health, NoProducerError, Producer, agent_producers
 from weightpull.rl.ledger import Ledger, MemoryStore
 from weightpull.rl.replay import ReplayBuffer, Sampler

@@ -9,7 +9,6 @@ import pytest
 
 from tests.served import ServedRegistry, make_keys
 from weightpull import InvalidArgumentError, PermissionDeniedError, Principal, Publisher, Puller, Role
-from weightpull.rl.agent import UpdateAgent
 from weightpull.clock import FakeClock
 from weightpull.drivers.fake import FakeTransport
 from weightpull.errors import RegionNotRegisteredError
@@ -17,6 +16,7 @@ from weightpull.layout import TensorSpec
 from weightpull.records import Reservation
 from weightpull.registry import InProcessRegistry, ReservingRegistry, connect_registry
 from weightpull.registry_machine import MAX_RESERVED_SLOTS, RegistryMachine
+from weightpull.rl.agent import UpdateAgent
 from weightpull.transport import WrappedTransport
 
 from .conftest import host_tensors

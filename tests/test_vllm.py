@@ -26,11 +26,11 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from weightpull import InProcessRegistry, Publisher, create_transport  # noqa: E402
-from weightpull.rl.agent import PauseMode  # noqa: E402
-from weightpull.rl.dispatcher import Dispatcher, Prompt  # noqa: E402
 from weightpull.drivers.zmq_registry.server import RegistryServer  # noqa: E402
 from weightpull.integrations.vllm import PullSpec, VllmReplica, engine_args, open_replica, shutdown, start_engine  # noqa: E402
 from weightpull.integrations.vllm.tiny import hf_greedy, make_tiny_llama, set_version  # noqa: E402
+from weightpull.rl.agent import PauseMode  # noqa: E402
+from weightpull.rl.dispatcher import Dispatcher, Prompt  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

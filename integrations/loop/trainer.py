@@ -33,8 +33,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import PublishError, VersionWaitTimeoutError
+from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.health import Health, Producer
 from weightpull.rl.ledger import Ledger
 from weightpull.rl.replay import ReplayBuffer, Sampler

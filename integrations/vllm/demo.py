@@ -23,13 +23,13 @@ from typing import Any, TextIO
 import anyio
 import attrs
 
-from weightpull.rl.agent import PauseMode
-from weightpull.rl.dispatcher import Dispatcher, Prompt
 from weightpull.errors import DriverUnavailableError, InvalidArgumentError
 from weightpull.integrations.demo import Progress
 from weightpull.integrations.processes import Children
 from weightpull.publisher import Publisher
 from weightpull.registry import REGISTRY_ENV, InProcessRegistry, Registry, connect_registry
+from weightpull.rl.agent import PauseMode
+from weightpull.rl.dispatcher import Dispatcher, Prompt
 from weightpull.rl.staleness import Group, StalenessClock, Trajectory
 from weightpull.transports import create_transport
 
