@@ -60,6 +60,9 @@ def named_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class Mode(enum.Enum):
+    """How `FSDPPublisher` publishes: each rank its own rows (`SHARDED`, a sharded version,
+    no gather), or rank 0 the whole model gathered (`GATHERED`)."""
+
     GATHERED = "gathered"
     SHARDED = "sharded"
 
@@ -88,12 +91,27 @@ def _principal_name(registry: Registry) -> str | None:
 
 
 class FSDPPublisher:
-    """Publishes an FSDP2 model's weights; make one on every rank.
+    """Publishes an FSDP2 model's weights; make one on every rank. `close()` when done:
+    the slots go with it.
 
-    `registry`: a `Registry`, or the address of a served one (None: `$WEIGHTPULL_REGISTRY`).
-    `transport`: a `Transport` or a driver name; replicas in other processes need one that
-    crosses processes ("nixl"). Other options go to each rank's `Publisher` (`num_slots`,
-    `when_full`, `bucket_bytes`, ...). `close()` when done: the slots go with it."""
+    Args:
+        model: The FSDP2 model.
+        mode: `Mode.SHARDED` (each rank publishes its rows) or `Mode.GATHERED`, or their
+            values.
+        registry: A `Registry`, or the address of a served one (None:
+            `$WEIGHTPULL_REGISTRY`).
+        transport: A `Transport` or a driver name; replicas in other processes need one
+            that crosses processes ("nixl").
+        rollout_dtype: The dtype tensors are published in; None keeps each one's own.
+        name: The publisher's name; each rank publishes as `NAME/rankN` (default: the
+            registry key's principal, else a random one).
+        **options: Keyword arguments of each rank's `Publisher` (`num_slots`,
+            `when_full`, `bucket_bytes`, ...).
+
+    Raises:
+        InvalidArgumentError: `mode` is neither, or (sharded) a parameter is not placed
+            `Shard(0)` on a 1-d mesh.
+    """
 
     def __init__(
         self,

@@ -32,6 +32,14 @@ class _Staged:
 
 
 class HostStaged(WrappedTransport):
+    """A GPU mirror for any driver: reads land in pinned host memory registered with
+    `inner`, then copy to the GPU region (a puller wraps a driver that cannot read into
+    GPU memory itself in one).
+
+    Args:
+        inner: The driver that reads.
+    """
+
     reads_into_gpu = True  # its own copies land each read on the GPU
 
     def __init__(self, inner: Transport) -> None:

@@ -37,7 +37,15 @@ def tensor_at(region: Region, placement: Placement) -> torch.Tensor:
 
 
 def as_tensors(layout: Layout, region: Region) -> dict[str, torch.Tensor]:
-    """Every tensor of a pulled mirror, by name, as views into it."""
+    """Every tensor of a pulled mirror, by name, as views into it (no copy).
+
+    Args:
+        layout: The version's layout (`Pulled.layout`).
+        region: The mirror it was pulled into (`Pulled.region`).
+
+    Returns:
+        Each tensor by name, of its published dtype and shape, on the region's device.
+    """
     return {p.spec.name: tensor_at(region, p) for p in layout.placements}
 
 

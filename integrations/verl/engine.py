@@ -36,9 +36,18 @@ BACKEND = "transport_pull"
 
 @CheckpointEngineRegistry.register(BACKEND)
 class TransportPullCheckpointEngine(CheckpointEngine):
-    """Settings come from `engine_kwargs.transport_pull` (see `Settings`); `bucket_size`,
-    verl's `update_weights_bucket_megabytes`, bounds one bucket of the layout, so one
-    read."""
+    """verl's `transport_pull` checkpoint engine: the trainer's workers publish each
+    version, the rollout's pull it, through a registry both reach (docs/guides/verl.md).
+
+    Args:
+        bucket_size: verl's `update_weights_bucket_megabytes`, in bytes: it bounds one
+            bucket of the layout, so one read.
+        is_master: Whether this worker is verl's master of the engine.
+        **engine_kwargs: `engine_kwargs.transport_pull` (see `Settings`).
+
+    Raises:
+        InvalidArgumentError: A setting is missing or of the wrong kind.
+    """
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
         self.settings = Settings.from_kwargs(engine_kwargs)

@@ -18,12 +18,12 @@ import anyio
 import attrs
 
 from weightpull import errors
-from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.clock import Clock, MonotonicClock
-from weightpull.rl.dispatcher import Prompt
 from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import check_line
 from weightpull.registry import Registry
+from weightpull.rl.agent import PauseMode, UpdateAgent
+from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.staleness import Trajectory
 
 from .worker import WORKER_EXTENSION
@@ -73,37 +73,59 @@ def _stream(_: Any, __: attrs.Attribute[bool | None], stream: bool | None) -> No
 @attrs.frozen
 class PullSpec:
     """How each worker reaches the registry and the publisher's memory, and whether it
-    reads from other replicas' mirrors and offers its own (relays: docs/guides/vllm.md#relays)."""
+    reads from other replicas' mirrors and offers its own (relays: docs/guides/vllm.md#relays).
 
-    registry: str  # the served registry's address
-    holder: str  # the lease holder's name (the replica's)
+    Args:
+        registry: The served registry's address.
+        holder: The lease holder's name (the replica's).
+        transport: The driver each worker reads with.
+        ttl: Seconds each lease lasts between renewals.
+        mirror_device: Where each worker keeps its two mirrors: "cpu", or "cuda" for the
+            worker's own GPU (the apply is then a device copy, not a host-to-device one,
+            but the two mirrors take two copies of the model from the GPU memory vLLM
+            would give its KV cache).
+        registry_options: Keyword arguments of `connect_registry` (keys, ...).
+        transport_options: Keyword arguments of `create_transport`.
+        faults: `weightpull.drivers.faulty.Faults` fields, to wrap the transport in.
+        check_apply: After each apply, compare the tensors the kernels use with a first
+            load of the same copy (docs/guides/vllm.md#the-check-after-every-apply); the
+            structural checks always run.
+        sharded: Each tensor-parallel worker pulls only its slice: the elements its own
+            weight loaders read, recorded from the engine at start
+            (docs/guides/sharding.md). Else each pulls the whole.
+        host: This replica's host name: each pull's lease is placed by the registry's
+            policy, at the trainer's slot or at a relay (another replica's mirror), the
+            same host's first; bytes from a relay are checked bucket by bucket against the
+            publisher's digests.
+        relay: Offer each worker's mirror to other replicas while it fills and after
+            (needs `host`).
+        relay_cap: The most readers a relay serves at once; None: no cap.
+        stream: Read a version bucket by bucket as its source holds it (a relay still
+            receiving it); None: when `host` is set. A relay streams.
+        publisher: The publisher principal whose versions this replica follows (None: the
+            registry's default line): another principal's versions are never pulled
+            (docs/guides/registry-service.md).
+
+    Raises:
+        InvalidArgumentError: `relay` without `host`, `relay` with `stream=False`,
+            `relay_cap` without `relay`, `sharded` with `host`, `relay` or `stream`, or a
+            value of the wrong kind.
+    """
+
+    registry: str
+    holder: str
     transport: str = "nixl"
     ttl: float = 10.0
-    # Where each worker keeps its two mirrors: "cpu", or "cuda" for the worker's own GPU
-    # (the apply is then a device copy, not a host-to-device one, but the two mirrors take
-    # two copies of the model from the GPU memory vLLM would give its KV cache).
     mirror_device: str = "cpu"
     registry_options: Mapping[str, Any] = attrs.field(factory=dict)
     transport_options: Mapping[str, Any] = attrs.field(factory=dict)
-    faults: Mapping[str, Any] | None = None  # `weightpull.drivers.faulty.Faults` fields
-    # After each apply, compare the tensors the kernels use with a first load of the same
-    # copy (docs/guides/vllm.md#the-check-after-every-apply); the structural checks always run.
+    faults: Mapping[str, Any] | None = None
     check_apply: bool = True
-    # Each tensor-parallel worker pulls only its slice: the elements its own weight loaders
-    # read, recorded from the engine at start (docs/guides/sharding.md). Else each pulls the whole.
     sharded: bool = False
-    # This replica's host name: each pull's lease is placed by the registry's policy, at
-    # the trainer's slot or at a relay (another replica's mirror), the same host's first;
-    # bytes from a relay are checked bucket by bucket against the publisher's digests.
     host: str | None = attrs.field(default=None, validator=_relay_host)
-    # Offer each worker's mirror to other replicas while it fills and after (needs host).
     relay: bool = attrs.field(default=False, validator=_flag("relay"))
-    relay_cap: int | None = attrs.field(default=None, validator=_relay_cap)  # readers at once; None: no cap
-    # Read a version bucket by bucket as its source holds it (a relay still receiving it);
-    # None: when host is set. A relay streams.
+    relay_cap: int | None = attrs.field(default=None, validator=_relay_cap)
     stream: bool | None = attrs.field(default=None, validator=_stream)
-    # The publisher principal whose versions this replica follows (None: the registry's
-    # default line): another principal's versions are never pulled (docs/guides/registry-service.md).
     publisher: str | None = attrs.field(default=None, validator=_publisher)
 
     def __attrs_post_init__(self) -> None:
@@ -126,7 +148,15 @@ class PullSpec:
 
 
 class VllmEngine:
-    """`EngineControl` for one `AsyncLLM`."""
+    """`EngineControl` for one `AsyncLLM` whose workers carry the weightpull extension:
+    what the update agent drives (prefetch, pause, apply, resume).
+
+    Args:
+        llm: The `AsyncLLM`.
+        poll_interval: Seconds between polls of the workers' pulls.
+        apply_timeout: Seconds an apply may wait for its version's pull.
+        clock: The clock those waits run on.
+    """
 
     def __init__(
         self, llm: Any, *, poll_interval: float = 0.02, apply_timeout: float = 60.0, clock: Clock | None = None
@@ -207,7 +237,14 @@ class VllmEngine:
 
 
 class VllmReplica:
-    """A replica as the dispatcher sees it: `generate` on the engine, versions from the agent."""
+    """A replica as the dispatcher sees it: `generate` on the engine, versions from the agent.
+
+    Args:
+        name: The replica's name.
+        llm: Its `AsyncLLM`.
+        agent: Its update agent.
+        sampling_params: vLLM's `SamplingParams` for each prompt.
+    """
 
     def __init__(self, name: str, llm: Any, agent: UpdateAgent, sampling_params: Any) -> None:
         self.name = name
@@ -261,6 +298,9 @@ def engine_args(model: str, **overrides: Any) -> Any:
 
 @attrs.define
 class OpenReplica:
+    """What `open_replica` yields: the engine, its control, its update agent and the
+    replica the dispatcher runs prompts on."""
+
     name: str
     llm: Any
     engine: VllmEngine
@@ -282,7 +322,25 @@ async def open_replica(
 ) -> AsyncIterator[OpenReplica]:
     """Start an `AsyncLLM` for `model` with its workers connected per `spec`, and an
     update agent watching `registry` (the same registry, as this process reaches it).
-    Run `agent.run()` in your task group; the engine shuts down on exit."""
+    Run `agent.run()` in your task group; the engine shuts down on exit.
+
+    Args:
+        name: The replica's name (its update agent's).
+        model: The model vLLM starts from (a path or a hub name).
+        registry: The registry, as this process reaches it.
+        spec: How the workers reach the registry and the publisher's memory.
+        sampling_params: vLLM's `SamplingParams` for each prompt.
+        pause_mode: How the engine pauses for an apply (`PauseMode`).
+        min_version_lag: How far ahead the newest version must be before an update.
+        **engine_overrides: `AsyncEngineArgs` fields (`engine_args`).
+
+    Yields:
+        The replica, its engine, control and agent.
+
+    Raises:
+        UnsupportedModelError: The model is one whose weights an apply cannot reload.
+        WeightpullError: The workers could not reach the registry or the transport.
+    """
     llm = await start_engine(engine_args(model, **engine_overrides))
     engine = VllmEngine(llm)
     try:

@@ -99,7 +99,11 @@ def mirror_device(wanted: str, worker_device: Any) -> str:
 
 
 class WeightpullWorker:
-    """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...)."""
+    """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...): name it
+    as the engine's `worker_extension_cls` (`WORKER_EXTENSION`; `engine_args` does). Each
+    worker keeps two mirrors, pulls in the background and applies through vLLM's
+    `reload_weights`; `VllmEngine` calls its `weightpull_*` methods over `collective_rpc`,
+    each returning plain data (an error as data too, raised typed by the engine)."""
 
     _weightpull: BackgroundPulls | None = None
     _weightpull_applied: Pulled | SlicePulled | None = None  # loaded, not yet committed
