@@ -301,7 +301,25 @@ class Publisher:
         With `shard`, `tensors` are this publisher's rows of a version that `shard.count`
         publishers write together, each asking for the same number: it returns once its
         shard is committed, and the version turns READY when every shard is. Its failure,
-        or its skip, aborts the version for every shard."""
+        or its skip, aborts the version for every shard.
+
+        Args:
+            version: The number asked for; None: the next.
+            tensors: The tensors, by name (a mapping, or pairs read once).
+            shard: This publisher's part of a sharded version (`Sharding`).
+
+        Returns:
+            What was published (`PublishResult`): the version given, or a skip.
+
+        Raises:
+            PublishError: the publish failed once begun (chained to the cause); the
+                version is ABORTED.
+            NoFreeSlotError: every slot is kept (`when_full` FAIL).
+            SlotWaitTimeoutError: no slot freed within `wait_timeout` (`when_full` WAIT).
+            VersionOrderError: `version` does not exceed the last one asked for.
+            InvalidArgumentError: no tensors, a malformed `version`, or `shard` with
+                digests or without a `version`.
+        """
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:  # one publish at a time: slots are taken and filled in turn

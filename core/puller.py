@@ -378,12 +378,24 @@ class Puller:
         """Copy the newest READY version (or `version`, if READY) into the mirror; with
         `stream`, the newest READY or STREAMING one (or `version`, if either).
 
-        Raises `TornReadError` if the lease lapsed during the read, `DigestMismatchError`
-        if the publisher recorded digests and a bucket disagrees, `NoProgressError` if no
-        read landed for `stall_timeout`, or the transport's error after cancelling the
-        other reads. The lease is released on every path. Pulls run one at a time (a
-        prefetch and a forced load may overlap): two at once would write the one mirror
-        together and hand on a mix."""
+        The lease is released on every path. Pulls run one at a time (a prefetch and a
+        forced load may overlap): two at once would write the one mirror together and
+        hand on a mix.
+
+        Args:
+            version: The version to pull; None: the newest.
+
+        Returns:
+            The verified copy, valid until the next pull into this mirror starts.
+
+        Raises:
+            NoReadyVersionError: nothing is READY yet (`version` None).
+            VersionStateError: `version` is not READY (nor STREAMING, with `stream`).
+            TornReadError: the lease lapsed during the read (the copy may mix versions).
+            DigestMismatchError: the publisher recorded digests and a bucket disagrees.
+            NoProgressError: no read landed for `stall_timeout`.
+            TransportError: the transport's error, after cancelling the other reads.
+        """
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
@@ -435,7 +447,25 @@ class Puller:
         apply runs behind the trainer's copy. Leaving the block then waits for the version
         to turn READY and checks the lease (and a host slot's digests): a stream that ends
         otherwise raises `TornReadError` (from `landed()`, or on leaving), and whatever the
-        block applied must be undone, as for a lapsed lease."""
+        block applied must be undone, as for a lapsed lease.
+
+        Args:
+            version: The version to lend; None: the newest.
+            wait: Seconds to wait for it first (0: not at all).
+            whole: Lend it only once whole (READY); False (with `stream`) lends it while
+                still written.
+
+        Yields:
+            The slot lent (`Borrowed`), valid inside the block only.
+
+        Raises:
+            TornReadError: the lease lapsed while borrowed, or a stream ended otherwise.
+            VersionWaitTimeoutError: nothing turned READY within `wait`.
+            DigestMismatchError: a host slot's bucket disagrees with its digest.
+            InvalidArgumentError: the driver cannot lend the slot to `device`, the
+                version is sharded, `wait` is not a finite number >= 0, or `whole=False`
+                without `stream`.
+        """
         if not (isinstance(wait, (int, float)) and 0 <= wait < math.inf):
             raise InvalidArgumentError(f"wait must be a finite number of seconds >= 0, got {wait!r}")
         if not whole and not self.stream:
@@ -520,7 +550,14 @@ class Puller:
         Returns the slots mapped: 0 while no publisher over this transport has reserved
         any (or the registry takes no reservations). Calling it again maps slots reserved
         since; a slot it cannot map is logged and left to the first pull, which fails on
-        it as it would have anyway."""
+        it as it would have anyway.
+
+        Args:
+            mirror: Register the mirror (and the spare one, with `spare_mirror`) too.
+
+        Returns:
+            The slots mapped.
+        """
         if not isinstance(self.registry, ReservingRegistry):
             return 0
         if self._lock is None:
@@ -811,7 +848,17 @@ class Puller:
         relay. Needs `host`. Until the next pull, the mirror is theirs to read too: that
         pull first withdraws the offer and waits until no lease reads from it (the same
         rule as a trainer's slot), so a replica that relays and keeps pulling should give
-        its relay a buffer of its own (docs/guides/fanout.md). Returns the version offered."""
+        its relay a buffer of its own (docs/guides/fanout.md).
+
+        Args:
+            cap: The most leases the offer takes at once; None: no cap.
+
+        Returns:
+            The version offered.
+
+        Raises:
+            InvalidArgumentError: the puller has no `host`, or no pull has completed.
+        """
         if self.host is None:
             raise InvalidArgumentError("only a puller made with host= offers its mirror as a relay")
         if self.mirror is None or self.mirror_version is None:

@@ -143,10 +143,20 @@ class SlicePuller:
         self._lock: anyio.Lock | None = None
 
     async def pull(self, version: int | None = None) -> SlicePulled:
-        """This rank's slice of the newest READY version (or `version`). Raises as
-        `Puller.pull` does: `TornReadError` when the lease lapsed during the read,
-        `NoProgressError` on a stall, the transport's error otherwise; the lease is
-        released on every path."""
+        """This rank's slice of the newest READY version (or `version`); the lease is
+        released on every path.
+
+        Args:
+            version: The version to pull; None: the newest.
+
+        Returns:
+            This rank's verified slice, valid until the next pull into this mirror starts.
+
+        Raises:
+            TornReadError: the lease lapsed during the read.
+            NoProgressError: no read landed for `stall_timeout`.
+            TransportError: the transport's error, after cancelling the other reads.
+        """
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
