@@ -217,7 +217,7 @@ class RayRegistry(OperationsClient):
                 f"a Ray registry handle without a token ({address}) acts as admin, so any code of the job can "
                 "act as the trainer; this goes in a later release: make the registry with "
                 "RayRegistry.create(address, principals=[...]) and give each worker token= its principal's "
-                "(docs/verl.md)",
+                "(docs/guides/verl.md)",
                 DeprecationWarning,
                 stacklevel=2,
             )
