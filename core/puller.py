@@ -6,6 +6,11 @@ reclaims its version, and the registry refuses while any lease on it is alive. A
 once lapsed, never becomes valid again. So a lease still valid after the last byte
 landed proves no write touched the slot during the read; a lapsed one means the copy
 may be torn, and it is rejected.
+
+This module is the read pipeline alone: the lease it reads under is held by a
+`weightpull.leasing.LeaseClient`, a relay's mirror is served by a
+`weightpull.relaying.RelayServer`, digests are checked by a
+`weightpull.checking.DigestChecker`, and the settings are `weightpull.settings`'.
 """
 
 from __future__ import annotations
