@@ -1,6 +1,7 @@
-"""`python -m weightpull`: the command line (`weightpull.integrations.cli`, an application of
-the core, loaded by name so that the core imports no integration)."""
+"""`python -m weightpull`: the command line, the `weightpull` console script that the
+package's metadata names (an application of the core, so found by name: the core imports
+no integration)."""
 
-import importlib
+from weightpull import plugins
 
-raise SystemExit(importlib.import_module("weightpull.integrations.cli").main())
+raise SystemExit(plugins.load_builtin("console_scripts", "weightpull", "the weightpull command")())

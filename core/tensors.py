@@ -2,21 +2,22 @@
 
 The core never touches a framework. It asks an adapter for each tensor's published
 spec (its dtype after the `rollout_dtype` cast), has it copy the tensors into the
-slot, then fences. `HostTensor` is the framework-free form; torch tensors go through
-`weightpull.integrations.torch_tensors`, imported only when a torch tensor shows up.
+slot, then fences. `HostTensor` is the framework-free form; a framework's tensors go
+through its adapter, an entry point of `weightpull.tensor_adapters` named by the top-level
+module of the tensor's type (torch's is built in), loaded only when one shows up.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import anyio.lowlevel
 import attrs
 
+from . import plugins
 from .errors import InvalidArgumentError
-from .layout import DTYPE_SIZES, Placement, TensorSpec
+from .layout import DTYPE_SIZES, Layout, Placement, TensorSpec
 from .transport import Region
 
 
@@ -98,13 +99,39 @@ class HostTensorAdapter:
 
 
 def adapter_for(value: Any) -> TensorAdapter:
-    """The adapter for a tensor of this kind, importing its integration lazily."""
+    """The adapter for a tensor of this kind: its framework's tensor-adapter plugin,
+    loaded when first asked for."""
     if isinstance(value, HostTensor):
         return HostTensorAdapter()
-    if type(value).__module__.split(".")[0] == "torch":
-        module = importlib.import_module("weightpull.integrations.torch_tensors")
-        adapter: TensorAdapter = module.TorchAdapter()
+    framework = type(value).__module__.split(".")[0]
+    plugin = plugins.find(plugins.TENSOR_ADAPTERS, framework)
+    if plugin is not None:
+        adapter: TensorAdapter = plugins.load(plugin, f"the {framework} tensor adapter")()
         return adapter
     raise InvalidArgumentError(
         f"cannot publish a {type(value).__module__}.{type(value).__name__}: pass torch tensors or weightpull.HostTensor"
     )
+
+
+def as_tensors(layout: Layout, region: Region, framework: str = "torch") -> dict[str, Any]:
+    """Every tensor of a pulled version, by name, as views into its memory (no copy): the
+    `layout` and `region` of what a pull or a borrow returns, viewed by `framework`'s
+    plugin (`weightpull.tensor_views`; torch's, `torch.Tensor`s, is built in and needs the
+    torch extra).
+
+    Args:
+        layout: the version's layout (`pulled.layout`).
+        region: the memory it lies in (`pulled.region`).
+        framework: whose tensors to make.
+
+    Raises:
+        DriverUnavailableError: the framework's views cannot load here (torch is not
+            installed); the message names the extra.
+        InvalidArgumentError: no plugin views `framework`'s tensors.
+    """
+    plugin = plugins.find(plugins.TENSOR_VIEWS, framework)
+    if plugin is None:
+        known = ", ".join(sorted(plugins.plugins(plugins.TENSOR_VIEWS))) or "none"
+        raise InvalidArgumentError(f"no tensor views for {framework!r} are installed (known: {known})")
+    views: dict[str, Any] = plugins.load(plugin, f"{framework} tensor views")(layout, region)
+    return views

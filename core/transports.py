@@ -1,22 +1,22 @@
 """The driver registry: transports by name.
 
-Built-in drivers are lazy import strings, so listing them imports nothing heavy; third
-parties add theirs through the entry-point group `weightpull.transports` or
-`register_transport`. A driver that cannot load says which extra would fix it.
+Drivers are entry points of the group `weightpull.transports` (`weightpull.plugins`):
+weightpull's own built-ins and third parties' alike, so listing them imports nothing
+heavy and the core names no driver; `register_transport` adds one in a running process.
+A driver that cannot load says which extra would fix it.
 """
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from typing import Any
 
 import attrs
 
+from . import plugins
 from .errors import DriverUnavailableError, UnknownDriverError
 from .transport import Transport
 
-ENTRY_POINT_GROUP = "weightpull.transports"
+ENTRY_POINT_GROUP = plugins.TRANSPORTS
 
 
 @attrs.frozen
@@ -37,16 +37,29 @@ class DriverInfo:
     reason: str | None  # why it is not available
 
 
-BUILTIN: dict[str, DriverEntry] = {
-    "fake": DriverEntry("fake", "weightpull.drivers.fake:FakeTransport"),
-    "nixl": DriverEntry("nixl", "weightpull.drivers.nixl:NixlTransport", extra="nixl"),
-    "torch": DriverEntry("torch", "weightpull.drivers.torch_transport:TorchTransport", extra="torch-transport"),
-    "cuda_ipc": DriverEntry("cuda_ipc", "weightpull.drivers.cuda_ipc:CudaIpcTransport", extra="torch"),
-}
+def _entry(plugin: plugins.Plugin, name: str | None = None) -> DriverEntry:
+    origin = "builtin" if plugin.builtin else f"entry point ({plugin.dist or '?'})"
+    return DriverEntry(name or plugin.name, plugin.target, plugin.extra, origin)
 
-# What feeds a GPU mirror from a driver whose reads land in host memory: each read into a
-# pinned host shadow, copied to the GPU while the next is read. It needs torch.
-HOST_STAGING = DriverEntry("host staging", "weightpull.integrations.torch_staging:HostStaged", extra="torch")
+
+def _builtin() -> dict[str, DriverEntry]:
+    return {name: _entry(p) for name, p in plugins.plugins(ENTRY_POINT_GROUP).items() if p.builtin}
+
+
+def _host_staging() -> DriverEntry:
+    """What feeds a GPU mirror from a driver whose reads land in host memory: each read into a
+    pinned host shadow, copied to the GPU while the next is read. It needs torch."""
+    return _entry(plugins.builtin(plugins.HOST_STAGING, "torch"), "host staging")
+
+
+def __getattr__(name: str) -> Any:
+    # The tables this module held before drivers became entry points, made from them.
+    if name == "BUILTIN":
+        return _builtin()
+    if name == "HOST_STAGING":
+        return _host_staging()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _registered: dict[str, DriverEntry] = {}
 
@@ -61,11 +74,8 @@ def register_transport(
 
 
 def _entries() -> dict[str, DriverEntry]:
-    entries = dict(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        entries.setdefault(
-            ep.name, DriverEntry(ep.name, ep.value, None, origin=f"entry point ({ep.dist.name if ep.dist else '?'})")
-        )
+    # Built-ins first: no third party's entry point shadows one (plugins orders them so).
+    entries = {name: _entry(plugin) for name, plugin in plugins.plugins(ENTRY_POINT_GROUP).items()}
     entries.update(_registered)
     return entries
 
@@ -73,16 +83,7 @@ def _entries() -> dict[str, DriverEntry]:
 def _load(entry: DriverEntry) -> type[Transport]:
     if not isinstance(entry.target, str):
         return entry.target
-    module_name, _, attr = entry.target.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split(".") if attr else ():
-            obj = getattr(obj, part)
-    except ImportError as exc:
-        hint = f"; install it with: pip install 'weightpull[{entry.extra}]'" if entry.extra else ""
-        raise DriverUnavailableError(f"transport {entry.name!r} cannot load: {exc}{hint}") from exc
-    except AttributeError as exc:
-        raise DriverUnavailableError(f"transport {entry.name!r}: {entry.target} not found ({exc})") from exc
+    obj = plugins.load_target(entry.target, f"transport {entry.name!r}", entry.extra)
     if not (isinstance(obj, type) and issubclass(obj, Transport)):
         raise DriverUnavailableError(f"transport {entry.name!r}: {entry.target} is not a Transport")
     return obj
@@ -121,13 +122,13 @@ def list_transports() -> list[DriverInfo]:
 
 def for_device(transport: Transport, device: str, staging: bool | None = None) -> Transport:
     """What a mirror on `device` reads through: `transport`, or for a GPU mirror of a driver
-    whose reads land in host memory (or with `staging=True`), `transport` wrapped in
-    `HOST_STAGING`, which the driver registry loads like a driver (so the core imports no
-    integration)."""
+    whose reads land in host memory (or with `staging=True`), `transport` wrapped in host
+    staging, an entry point of `weightpull.host_staging` loaded like a driver (so the core
+    imports no integration)."""
     if device == "cpu" or not (staging if staging is not None else not transport.reads_into_gpu):
         return transport
     try:
-        staged = _load(HOST_STAGING)
+        staged = _load(_host_staging())
     except DriverUnavailableError as exc:
         raise DriverUnavailableError(f"a mirror on {device} needs torch: {exc}") from exc
     reason = staged.unavailable_reason()

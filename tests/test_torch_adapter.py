@@ -70,3 +70,23 @@ def test_fingerprints_are_exact_and_see_a_changed_or_moved_word():
     big = torch.full((n,), 2**62, dtype=torch.int64)  # the sum wraps modulo 2**64
     weights = (n // period) * period * (period + 1) // 2 + (n % period) * (n % period + 1) // 2
     assert fingerprints({"big": big})["big"] == (2**62 * weights + 2**63) % 2**64 - 2**63
+
+
+async def test_the_core_views_a_mirror_as_torch_tensors_through_the_plugin(world):
+    """`weightpull.tensors.as_tensors`, the core's, finds torch's views by entry point: the
+    same views, by name, into the mirror itself (no copy)."""
+    from weightpull.integrations.torch_tensors import TorchAdapter
+    from weightpull.tensors import adapter_for
+    from weightpull.tensors import as_tensors as core_as_tensors
+
+    assert isinstance(adapter_for(torch.ones(1)), TorchAdapter)  # the adapter, by the tensor type's module
+    await world.publisher(rollout_dtype=None).publish(1, model(1))
+    pulled = await world.puller().pull()
+    got = core_as_tensors(pulled.layout, pulled.region)
+    want = as_tensors(pulled.layout, pulled.region)
+    assert list(got) == list(want) == [p.spec.name for p in pulled.layout.placements]
+    for name, t in model(1).items():
+        assert torch.equal(got[name], t)
+        assert got[name].data_ptr() == want[name].data_ptr()  # a view of the same bytes
+    got["step"].fill_(7)  # writing through the view writes the mirror
+    assert as_tensors(pulled.layout, pulled.region)["step"].item() == 7
