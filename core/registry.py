@@ -4,7 +4,9 @@
 `connect_registry` finds one. `InProcessRegistry`, the embedded default, is a thin async
 face on `RegistryMachine` (registry_machine.py), which makes every decision in one
 synchronous call: the face adds only waiting for a version. A served registry
-(drivers/zmq_registry) drives the same machine.
+(drivers/zmq_registry) and one in a Ray actor (drivers/ray_registry.py) drive the same
+machine, made from the table of operations (operations.py): a new operation is one entry
+there, its machine method, and its method here and on the protocol it belongs to.
 """
 
 from __future__ import annotations
