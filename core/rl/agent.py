@@ -49,13 +49,19 @@ class PauseMode(enum.Enum):
 
 @runtime_checkable
 class EngineControl(Protocol):
-    """What the agent drives on its replica's engine."""
+    """What the agent drives on its replica's engine.
+
+    An engine binding implements it (`weightpull.integrations.vllm.VllmEngine` for vLLM);
+    tests implement it with a fake. It may also offer `prepare()`, awaited once before the
+    first version (to map reserved slots and size the mirror ahead).
+    """
 
     async def prefetch(self, version: int) -> None:
         """Return once the replica's mirror holds `version`, verified; generation goes
         on meanwhile. Raises `PullError` (a torn read...) when the copy is unusable."""
 
-    async def pause(self, mode: PauseMode) -> None: ...
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generating; `mode` says what becomes of the requests in flight."""
 
     async def apply(self, version: int) -> None:
         """Load the mirrored `version` into the weights and reset the caches built on the
@@ -65,7 +71,8 @@ class EngineControl(Protocol):
     async def label(self, version: int) -> None:
         """Tag what the engine generates from now on with `version`."""
 
-    async def resume(self) -> None: ...
+    async def resume(self) -> None:
+        """Generate again (on the new weights, or the restored ones after a failed apply)."""
 
 
 # A pull can fail for reasons that pass: a torn read, a version retired before it was
@@ -78,6 +85,8 @@ _SOURCE_GONE = (PeerGoneError, RegionNotRegisteredError)
 
 @attrs.define
 class AgentStats:
+    """What an `UpdateAgent` did so far (`UpdateAgent.stats`); `UpdateAgent.metrics` flattens it."""
+
     applied: list[int] = attrs.Factory(list)
     pause_s: list[float] = attrs.Factory(list)  # pause -> resume, per update
     prefetch_s: list[float] = attrs.Factory(list)
@@ -89,6 +98,35 @@ class AgentStats:
 
 
 class UpdateAgent:
+    """Keeps one replica on a recent version: prefetch while generating, then a short pause.
+
+    Run it beside the replica's engine (`await agent.run()` in a task group). When the
+    newest READY version is `min_version_lag` ahead of the one served, the engine
+    prefetches it into its mirror, then the agent pauses generation, applies, labels and
+    resumes, and reports the version to the registry. A pull that fails for a reason that
+    passes is tried again on the newest version; a version whose source is gone, or whose
+    apply failed and was rolled back, is skipped for a newer one.
+
+    Args:
+        name: The replica's name, as reported to the registry and in logs.
+        registry: The registry to watch and report to.
+        engine: The replica's engine, driven through `EngineControl`.
+        min_version_lag: Update once the newest version is this many versions ahead of
+            the served one (the first version always); an int >= 1.
+        pause_mode: What happens to requests in flight during the pause (`PauseMode`, or
+            "abort", "wait", "keep").
+        max_pull_attempts: Failed prefetches in a row before the agent fails; >= 1.
+        max_apply_failures: Failed (rolled back) applies in a row before the agent
+            fails; >= 1.
+        retry_delay: Seconds between a failed prefetch and the next try.
+        clock: The clock to wait on (default: `MonotonicClock`).
+        publisher: The line of versions to follow (a publisher's principal name);
+            None follows the registry's default line.
+
+    Raises:
+        InvalidArgumentError: An argument is out of range; the message names it.
+    """
+
     def __init__(
         self,
         name: str,
@@ -138,9 +176,19 @@ class UpdateAgent:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Keep the replica on a recent version until cancelled. On an error the agent
-        is marked failed (every waiter gets `AgentFailedError`) and the error propagates,
-        so the task group running it, and the job, fail."""
+        """Keep the replica on a recent version until cancelled.
+
+        On an error the agent is marked failed (`failure`; every waiter gets
+        `AgentFailedError`) and the error propagates, so the task group running it, and
+        the job, fail.
+
+        Raises:
+            InvalidArgumentError: The agent is already running.
+            PullError: `max_pull_attempts` prefetches in a row failed (or a
+                `RegistryError`, `TransportError`: the last failure).
+            ApplyError: `max_apply_failures` applies in a row failed, or one left the
+                engine on no defined weights.
+        """
         if self._running:
             raise InvalidArgumentError(f"agent {self.name!r} is already running")
         self._running = True
@@ -272,7 +320,13 @@ class UpdateAgent:
 
     def metrics(self) -> dict[str, float | int]:
         """The agent's figures as a flat dict, for a trainer's logger (one call per step).
-        Seconds are the last update's; counts are totals since the agent started."""
+
+        Returns:
+            `agent/updates`, `agent/pull_failures`, `agent/torn_reads`,
+            `agent/apply_failures` (totals since the agent started), and once known
+            `agent/serving_version`, `agent/versions_behind`, `agent/pause_s` and
+            `agent/prefetch_s` (the last update's seconds).
+        """
         stats = self.stats
         behind = (
             (stats.newest_seen - self.serving) if stats.newest_seen is not None and self.serving is not None else None
@@ -310,15 +364,33 @@ class UpdateAgent:
         return self._changed
 
     async def wait_changed(self) -> None:
-        """Return when the served version changes; raise `AgentFailedError` if the agent
-        has failed or fails meanwhile."""
+        """Return when the served version changes.
+
+        Raises:
+            AgentFailedError: The agent has failed, or fails meanwhile (chained to why).
+        """
         self._check()
         await self._event().wait()
         self._check()
 
     async def wait_for_version(self, version: int, timeout: float | None = None) -> int:
-        """Load `version` or a newer one now, whatever `min_version_lag` says (to validate
-        a checkpoint, say), and return the version served once it is at least `version`."""
+        """Load `version` or a newer one now, whatever `min_version_lag` says.
+
+        For a trainer that must know its replicas serve a version (to validate a
+        checkpoint, say).
+
+        Args:
+            version: The least version to serve; a non-negative int.
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            The version served, once it is at least `version`.
+
+        Raises:
+            InvalidArgumentError: `version` is not a non-negative int.
+            VersionWaitTimeoutError: It was not served within `timeout`.
+            AgentFailedError: The agent has failed, or fails meanwhile.
+        """
         if not isinstance(version, int) or version < 0:
             raise InvalidArgumentError(f"version must be a non-negative int, got {version!r}")
         if version > self._forced:

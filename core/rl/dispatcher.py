@@ -27,7 +27,18 @@ from .staleness import Trajectory
 
 @attrs.frozen
 class Prompt:
-    """A generation request. `payload` is whatever the replica's `generate` takes."""
+    """A generation request.
+
+    Args:
+        id: Unique among the prompts submitted to one dispatcher or ledger.
+        min_weight_version: The oldest weight version it may start on (a replica serving
+            it or a newer one runs it); `StalenessClock.min_weight_version` gives it.
+        payload: Whatever the replica's `generate` takes (JSON-able for a `Ledger`).
+        group: The prompt group it belongs to (its samples are trained on together).
+
+    Raises:
+        InvalidArgumentError: `min_weight_version` is not a non-negative int.
+    """
 
     id: str
     min_weight_version: int
@@ -59,12 +70,23 @@ class Replica(Protocol):
 
 @attrs.frozen
 class ReplicaView:
+    """A replica as `DispatchQueue.claim` sees it: the version served, prompts in flight."""
+
     serving: int | None
     inflight: int
 
 
 class DispatchQueue:
-    """Pending prompts in arrival order and the in-flight count; no I/O."""
+    """Pending prompts in arrival order and the in-flight count; no I/O.
+
+    The dispatcher's decisions, as plain calls: `Dispatcher` drives it.
+
+    Args:
+        max_inflight_prompts: Prompts running at once, at most; an int >= 1.
+
+    Raises:
+        InvalidArgumentError: `max_inflight_prompts` is not an int >= 1.
+    """
 
     def __init__(self, max_inflight_prompts: int) -> None:
         if not isinstance(max_inflight_prompts, int) or max_inflight_prompts < 1:
@@ -79,6 +101,11 @@ class DispatchQueue:
         return len(self._pending)
 
     def submit(self, prompt: Prompt) -> None:
+        """Queue `prompt` behind those before it.
+
+        Raises:
+            InvalidArgumentError: A prompt of that id was submitted already.
+        """
         if prompt.id in self._order:
             raise InvalidArgumentError(f"prompt {prompt.id!r} was already submitted")
         self._order[prompt.id] = seq = next(self._seq)
@@ -104,6 +131,7 @@ class DispatchQueue:
         return None
 
     def done(self, prompt: Prompt) -> None:
+        """`prompt` completed: it leaves the queue for good."""
         del self.inflight[prompt.id]
         del self._order[prompt.id]
 
@@ -113,6 +141,7 @@ class DispatchQueue:
         self._pending[self._order[prompt.id]] = prompt
 
     def load(self) -> dict[str, int]:
+        """Prompts in flight per replica (those with none are left out)."""
         counts: dict[str, int] = {}
         for replica in self.inflight.values():
             counts[replica] = counts.get(replica, 0) + 1
@@ -121,12 +150,31 @@ class DispatchQueue:
 
 @attrs.define
 class DispatchStats:
+    """What a `Dispatcher` did so far (`Dispatcher.stats`)."""
+
     completed: int = 0
     retried: int = 0  # generations an update aborted, started again
     max_inflight_seen: int = 0
 
 
 class Dispatcher:
+    """Starts each prompt on a replica that serves its `min_weight_version`, oldest first.
+
+    Submit prompts, run it (`await dispatcher.run()` in a task group) and iterate
+    `completed()` for the trajectories. A generation an update aborted (its `generate`
+    returned None) is put back in its old place. A replica whose `wait_changed` raises
+    (its agent failed) fails the dispatcher, and with it `completed()`.
+
+    Args:
+        replicas: The replicas to run prompts on (`Replica`: an engine binding with its
+            `UpdateAgent`), each with a distinct `name`.
+        max_inflight_prompts: Prompts running at once across all replicas, at most; an
+            int >= 1.
+
+    Raises:
+        InvalidArgumentError: No replica, or `max_inflight_prompts` is not an int >= 1.
+    """
+
     def __init__(self, replicas: Iterable[Replica], *, max_inflight_prompts: int) -> None:
         self.replicas = {r.name: r for r in replicas}
         if not self.replicas:
@@ -139,6 +187,11 @@ class Dispatcher:
         self._send, self._receive = anyio.create_memory_object_stream[Trajectory](math.inf)
 
     def submit(self, prompt: Prompt) -> None:
+        """Queue `prompt`; it starts as soon as a replica serving its version has room.
+
+        Raises:
+            InvalidArgumentError: The dispatcher was closed, or the id was submitted already.
+        """
         if self._closed:
             raise InvalidArgumentError("the dispatcher was closed: it takes no more prompts")
         self.queue.submit(prompt)
@@ -154,7 +207,13 @@ class Dispatcher:
             self._wake.set()
 
     async def run(self) -> None:
-        """Start prompts as replicas become able to run them, until closed and drained."""
+        """Start prompts as replicas become able to run them, until closed and drained.
+
+        Raises:
+            Exception: The first failure of a replica (its `generate`, or its
+                `wait_changed`: `AgentFailedError` when its agent failed), also kept in
+                `failure`.
+        """
         try:
             async with self._send, anyio.create_task_group() as tg:
                 for replica in self.replicas.values():

@@ -36,12 +36,22 @@ def agent_producers(agents: Iterable[Any], now: float) -> list[Producer]:
 
 
 class Health:
+    """Whether any producer is left: a trainer's wait on rollouts fails instead of hanging.
+
+    Args:
+        timeout: Seconds a producer may stay silent before it counts as gone; > 0.
+
+    Raises:
+        InvalidArgumentError: `timeout` is not > 0.
+    """
+
     def __init__(self, timeout: float) -> None:
         if not isinstance(timeout, int | float) or not timeout > 0:
             raise InvalidArgumentError(f"the health timeout must be > 0 seconds, got {timeout!r}")
         self.timeout = float(timeout)
 
     def alive(self, producers: Sequence[Producer], now: float) -> list[Producer]:
+        """The producers that have not failed and were heard from within the timeout."""
         return [p for p in producers if p.failure is None and now - p.last_beat <= self.timeout]
 
     def check(
@@ -52,9 +62,19 @@ class Health:
         since: float | None = None,
         dispatcher_failure: str | None = None,
     ) -> None:
-        """Raise `NoProducerError` when no producer is left: the dispatcher failed, or
-        every producer failed or went silent for longer than the timeout. None heard from
-        at all is waited for `timeout` seconds from `since` (when the wait began)."""
+        """Fail when no producer is left.
+
+        Args:
+            producers: Every producer, as last heard from.
+            now: The time on the producers' clock.
+            since: When the wait began: with no producer heard from at all, it is waited
+                for `timeout` seconds from then.
+            dispatcher_failure: Why the dispatcher failed, if it did.
+
+        Raises:
+            NoProducerError: The dispatcher failed, or every producer failed or went
+                silent for longer than the timeout; names what became of each.
+        """
         if dispatcher_failure is not None:
             raise NoProducerError(f"the dispatcher failed ({dispatcher_failure}): no rollout will come")
         if self.alive(producers, now):

@@ -37,6 +37,8 @@ def _trajectories(value: Iterable[Trajectory]) -> tuple[Trajectory, ...]:
 
 
 class PromptState(enum.Enum):
+    """Where a prompt is: pending -> running -> done -> trained, and back when it must run again."""
+
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
@@ -60,6 +62,7 @@ class Entry:
     attempts: int = 0  # claims so far
 
     def prompt(self) -> Prompt:
+        """The entry as the `Prompt` a rollout worker runs."""
         return Prompt(self.id, self.min_weight_version, self.payload, group=self.group)
 
 
@@ -298,6 +301,24 @@ class Recovered:
 
 
 class Ledger:
+    """Every prompt's state, through any process's death: the decoupled loop's book.
+
+    Prompts go pending -> running (`claim`) -> done (`complete`) -> trained
+    (`mark_trained`), and back to pending when an update aborted them (`release`), their
+    worker died (`reclaim`), they grew too stale (`requeue`) or the trainer resumed from
+    an older checkpoint (`recover`). Each change is one transaction of its store, so a
+    prompt is never lost nor trained on twice. `Ledger.open(path)` keeps it in SQLite,
+    shared by the trainer and the rollout workers' processes.
+
+    Args:
+        store: Where the rows live (`SqliteStore`, or `MemoryStore` in one process).
+        max_inflight: Prompts running at once across all workers, at most; >= 1.
+        clock: The clock of claims and heartbeats (default: `MonotonicClock`).
+
+    Raises:
+        InvalidArgumentError: `max_inflight` is not an int >= 1.
+    """
+
     def __init__(self, store: LedgerStore, *, max_inflight: int, clock: Clock | None = None) -> None:
         self.store = store
         self.max_inflight = _check_int("max_inflight", max_inflight, 1)
@@ -305,7 +326,17 @@ class Ledger:
 
     @classmethod
     def open(cls, path: str | Path, *, max_inflight: int, clock: Clock | None = None, **options: Any) -> Ledger:
-        """A ledger in the SQLite file at `path` (made if missing)."""
+        """A ledger in the SQLite file at `path` (made if missing).
+
+        Args:
+            path: The database file; every process of the loop opens the same one.
+            max_inflight: Prompts running at once, at most; >= 1.
+            clock: The clock of claims and heartbeats (default: `MonotonicClock`).
+            **options: Passed to `SqliteStore`.
+
+        Raises:
+            InvalidArgumentError: `max_inflight` is not an int >= 1.
+        """
         return cls(SqliteStore(path, **options), max_inflight=max_inflight, clock=clock)
 
     def close(self) -> None:

@@ -22,7 +22,11 @@ from .staleness import Group, StalenessClock
 
 
 class ReplayBuffer:
-    """Groups not yet trained on, keyed by id; a group is handed out once."""
+    """Groups not yet trained on, keyed by id; a group is handed out once.
+
+    Args:
+        staleness: The clock that ages, evicts and checks the groups.
+    """
 
     def __init__(self, staleness: StalenessClock) -> None:
         self.staleness = staleness
@@ -70,15 +74,31 @@ class ReplayBuffer:
 
 @attrs.define
 class SampleWait:
+    """A sample (`Sampler.sample`): its groups, the seconds waited for them, and the
+    groups evicted meanwhile."""
+
     groups: list[Group]
     waited_s: float
     evicted: list[Group]
 
 
 class Sampler:
-    """Fills a `ReplayBuffer` from `source` (the groups completed so far) and waits for
-    a sample. `producers` says who can still complete groups; `on_evict` gets the groups
-    the clock evicted (to run them again)."""
+    """Fills a `ReplayBuffer` and waits for a sample, failing when none can come.
+
+    Args:
+        buffer: The buffer to fill and take from.
+        source: The groups completed so far (e.g. `Ledger.ready_groups`); called at
+            every poll, groups seen before are ignored.
+        producers: Who can still complete groups (`Producer`s), for the health check.
+        health: The check that fails the wait when no producer is left.
+        on_evict: Given the groups the clock evicted, to run them again (to
+            `Ledger.requeue` them, say).
+        poll_s: Seconds between polls; > 0.
+        clock: The clock to wait on (default: `MonotonicClock`).
+
+    Raises:
+        InvalidArgumentError: `poll_s` is not > 0.
+    """
 
     def __init__(
         self,
@@ -102,7 +122,18 @@ class Sampler:
         self.clock = clock or MonotonicClock()
 
     async def sample(self, n: int) -> SampleWait:
-        """`n` fresh groups, once held; raises `NoProducerError` when none can come."""
+        """Wait for `n` fresh groups.
+
+        Args:
+            n: Groups in the sample; >= 1.
+
+        Returns:
+            The `n` oldest fresh groups, once held, with the wait's figures.
+
+        Raises:
+            InvalidArgumentError: `n` is not an int >= 1.
+            NoProducerError: No producer is left to complete the groups.
+        """
         started = self.clock.now()
         evicted: list[Group] = []
         while True:

@@ -27,7 +27,19 @@ def _versions(value: Iterable[int]) -> tuple[int, ...]:
 @attrs.frozen
 class Trajectory:
     """One completed generation, and the weight versions that produced it, in order:
-    one version, unless an update paused in `keep` mode while it ran."""
+    one version, unless an update paused in `keep` mode while it ran.
+
+    Args:
+        prompt_id: The prompt it answers.
+        tokens: What was generated.
+        versions: The weight versions it was generated on, in order; one or more
+            non-negative ints.
+        group: The prompt group it belongs to.
+        replica: The replica that generated it.
+
+    Raises:
+        InvalidArgumentError: `versions` is empty or holds a non-int or negative one.
+    """
 
     prompt_id: str
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
@@ -46,7 +58,15 @@ def _trajectories(value: Iterable[Trajectory]) -> tuple[Trajectory, ...]:
 
 @attrs.frozen
 class Group:
-    """The trajectories of one prompt group, consumed together."""
+    """The trajectories of one prompt group, consumed together.
+
+    Args:
+        id: The group's id.
+        trajectories: One or more.
+
+    Raises:
+        InvalidArgumentError: `trajectories` is empty.
+    """
 
     id: str
     trajectories: tuple[Trajectory, ...] = attrs.field(converter=_trajectories)
@@ -65,7 +85,15 @@ Aged = Trajectory | Group
 
 
 class StalenessClock:
-    """The trainer's version, and the one definition of age measured against it."""
+    """The trainer's version, and the one definition of age measured against it.
+
+    Args:
+        max_staleness: The oldest a group may be (in versions) to be trained on; >= 0.
+        now: The trainer's version to start at; >= 0.
+
+    Raises:
+        InvalidArgumentError: Either is not a non-negative int.
+    """
 
     def __init__(self, max_staleness: int, now: int = 0) -> None:
         for what, value in (("max_staleness", max_staleness), ("now", now)):
@@ -75,15 +103,21 @@ class StalenessClock:
         self.now = now
 
     def advance(self, version: int) -> None:
-        """The trainer moved on to `version` (the clock never goes back)."""
+        """The trainer moved on to `version`.
+
+        Raises:
+            InvalidArgumentError: `version` is older than `now` (the clock never goes back).
+        """
         if not isinstance(version, int) or version < self.now:
             raise InvalidArgumentError(f"the staleness clock is at {self.now}; it cannot move to {version!r}")
         self.now = version
 
     def age(self, item: Aged) -> int:
+        """How many versions behind `now` the item started."""
         return self.now - item.start_version
 
     def is_stale(self, item: Aged) -> bool:
+        """Whether it is older than `max_staleness`."""
         return self.age(item) > self.max_staleness
 
     def min_weight_version(self) -> int:
@@ -100,7 +134,11 @@ class StalenessClock:
         return fresh, evicted
 
     def check(self, groups: Sequence[Group]) -> None:
-        """Refuse a training sample holding any group older than `max_staleness`."""
+        """Refuse a training sample holding any group older than `max_staleness`.
+
+        Raises:
+            StaleSampleError: Naming how many groups are stale, and the oldest.
+        """
         stale = [g for g in groups if self.is_stale(g)]
         if stale:
             worst = max(stale, key=self.age)
@@ -110,6 +148,7 @@ class StalenessClock:
             )
 
     def metrics(self, groups: Sequence[Group]) -> dict[str, Any]:
+        """`staleness/max`, `staleness/mean` and `staleness/stale_fraction` of `groups`."""
         ages = [self.age(g) for g in groups]
         if not ages:
             return {"staleness/max": 0, "staleness/mean": 0.0, "staleness/stale_fraction": 0.0}
