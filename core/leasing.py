@@ -259,6 +259,7 @@ class Silence:
         return self.newest + max(0.0, local - self.newest_asked) / slowest
 
     def landed(self, now: float) -> None:
+        """A read landed at local time `now`."""
         self.last_landed = now
         self.mark = self._date(now)
 
@@ -278,6 +279,8 @@ class Silence:
         return max(0.0, now - self.newest_asked)
 
     def seconds(self, now: float, answering: bool) -> float:
+        """The silence at local time `now`, in the registry's seconds (`answering`: the
+        last renewal was granted; else the local clock counts too)."""
         local = now - self.last_landed
         if not self.stamped:
             return local
@@ -298,6 +301,8 @@ class Renewal:
         self._on_lost: Callable[[], object] = lambda: None
 
     async def run(self, on_lost: Callable[[], object]) -> None:
+        """Renew when the pacer says, until cancelled or the registry ends the lease
+        (then `on_lost()`)."""
         self._on_lost = on_lost
         while not self.lost:
             await self.clock.sleep(self.pacer.due - self.clock.now())

@@ -104,6 +104,7 @@ class RelayServer:
 
     @property
     def host(self) -> str | None:
+        """This replica's host name (`RelaySettings.host`); None: no relays."""
         return self.settings.host
 
     async def offer(self, version: int | None, descriptor: bytes, *, cap: int | None) -> int:
