@@ -1,7 +1,7 @@
 """The layers hold: the core imports no driver or integration, not even by an import
 string, and drivers import no integration (import-linter's contracts in pyproject.toml,
 run as the test run's gate; the core's contract type is tests/contracts.py); the core's
-contract covers every module of the core, and breaks on an injected violation of each kind."""
+contract covers every module of the core, and both break on an injected violation of each kind."""
 
 from __future__ import annotations
 
@@ -77,21 +77,28 @@ def copy_of_the_package(where: Path) -> Path:
     return where
 
 
-def test_the_core_contract_breaks_on_an_import_by_string_and_on_an_import_statement(tmp_path):
+def test_the_contracts_break_on_an_import_by_string_and_on_an_import_statement(tmp_path):
     tree = copy_of_the_package(tmp_path)
     assert lint_imports(tree).returncode == 0  # the copy as it is keeps the contracts
-    module = tree / "weightpull" / "tensors.py"
-    lines = module.read_text().count("\n")
-    with module.open("a") as f:
+    core = tree / "weightpull" / "tensors.py"
+    lines = core.read_text().count("\n")
+    with core.open("a") as f:
         f.write('\n\ndef _injected():\n    return importlib.import_module("weightpull.integrations.cli")\n')
         f.write("\n\nimport weightpull.drivers.nixl  # noqa: E402\n")
+    driver = tree / "weightpull" / "drivers" / "fake.py"
+    driver_lines = driver.read_text().count("\n")
+    driver.write_text(driver.read_text() + 'MAIN = "weightpull.integrations.cli:main"\n')
     run = lint_imports(tree)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-2000:]
-    assert f"{len(contracts()) - 1} kept, 1 broken" in run.stdout
+    assert f"{len(contracts()) - 2} kept, 2 broken" in run.stdout
     assert re.search(rf"weightpull\.tensors -> weightpull\.drivers\.nixl \(l\.{lines + 7}\)", run.stdout), run.stdout
     assert (
         f"weightpull/tensors.py:{lines + 4}: weightpull.tensors names 'weightpull.integrations.cli' by a string"
         in run.stdout
+    ), run.stdout
+    assert (
+        f"weightpull/drivers/fake.py:{driver_lines + 1}: weightpull.drivers.fake names "
+        "'weightpull.integrations.cli:main' by a string" in run.stdout
     ), run.stdout
 
 
