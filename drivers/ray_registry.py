@@ -103,13 +103,17 @@ class RegistryActor:
         principals: Mapping[str, Mapping[str, Any]] | None = None,
         liveness_ttl: float | None = None,
         address: str = "",
+        origin_cap: int | None = None,
     ) -> None:
         from weightpull.registry import InProcessRegistry
+        from weightpull.relays import RelayBook
 
         options: dict[str, Any] = {"liveness_ttl": liveness_ttl}
         if max_ttl is not None:
             options["max_ttl"] = max_ttl
         self.registry = InProcessRegistry(**options)
+        if origin_cap is not None:  # nothing offered yet: a book with the cap, as a server's
+            self.registry.machine.relays = RelayBook(origin_cap=origin_cap)
         self.address = address
         self.principals = (
             None if principals is None else {d: Principal.from_dict(dict(p)) for d, p in principals.items()}
@@ -231,6 +235,7 @@ class RayRegistry(OperationsClient):
         namespace: str | None = None,
         max_ttl: float | None = None,
         liveness_ttl: float | None = None,
+        origin_cap: int | None = None,
         lifetime: str | None = None,
         timeout: float = 60.0,
     ) -> RayRegistry:
@@ -241,8 +246,10 @@ class RayRegistry(OperationsClient):
         Args:
             principals: who may call it: each a `Principal` (publisher, reader or admin).
             liveness_ttl: seconds a principal not heard from stays alive (None: never
-                lapses, the default); with one, each caller's handle must call `keepalive`
-                (or anything) more often than that.
+                lapses, the default); each handle's heartbeat keeps its names alive.
+            origin_cap: the most live leases placed at a version's own slot at once, for
+                readers that ask for a source (`acquire(host=)`); past it, a reader is
+                placed at a relay or told `NoSourceError` (None: no cap).
 
         Raises:
             InvalidArgumentError: no principals, one twice, or the name is taken.
@@ -261,7 +268,9 @@ class RayRegistry(OperationsClient):
         options = handle._options(get_if_exists=False)
         digests = {_digest(t): p.to_dict() for p, t in tokens.items()}
         try:
-            handle._actor = ray.remote(RegistryActor).options(**options).remote(max_ttl, digests, liveness_ttl, address)
+            handle._actor = (
+                ray.remote(RegistryActor).options(**options).remote(max_ttl, digests, liveness_ttl, address, origin_cap)
+            )
         except ValueError as exc:  # the name is taken
             raise InvalidArgumentError(f"cannot create the registry actor {address}: {exc}") from None
         handle.tokens = {p: t for p, t in tokens.items() if p in chosen}

@@ -20,6 +20,7 @@ from weightpull.errors import (
     InvalidArgumentError,
     LeaseExpiredError,
     NoReadyVersionError,
+    NoSourceError,
     PermissionDeniedError,
     RegistryUnavailableError,
     VersionNotFoundError,
@@ -277,4 +278,16 @@ async def test_a_registry_that_judges_liveness_ends_a_trainers_stream_once_its_h
     await trainer.aclose()  # its heartbeat stops: silent past the TTL, the trainer is judged dead
     await anyio.sleep(3.0)
     assert (await reader.progress(v)).state.name == "ABORTED"
+    driver.kill()
+
+
+async def test_an_origin_cap_places_readers_past_it_elsewhere(ray_local):
+    driver = RayRegistry.create(fresh_address(), principals=[TRAINER, READER], origin_cap=1)
+    trainer = RayRegistry(driver.address, token=driver.tokens[TRAINER])
+    reader = RayRegistry(driver.address, token=driver.tokens[READER])
+    v = await trainer.begin(publisher="trainer", slot=0)
+    await trainer.commit(manifest(v, digests=True))
+    assert (await reader.acquire(v, ttl=10.0, holder="replica-0/a", host="h1")).source == ""  # the slot's one place
+    with pytest.raises(NoSourceError):  # no relay offers it: ask again later
+        await reader.acquire(v, ttl=10.0, holder="replica-0/b", host="h2")
     driver.kill()
