@@ -51,11 +51,12 @@ from .registry import (
 )
 from .rl.agent import EngineControl, PauseMode, UpdateAgent
 from .rl.dispatcher import Dispatcher, Prompt
+from .settings import LeaseSettings, RelaySettings, SlotSettings
 from .sharding import Sharding
 from .slice_puller import SlicePulled, SlicePuller
 from .slices import RankSlice
 from .states import LeaseState, SlotState, VersionState
-from .tensors import HostTensor, TensorAdapter
+from .tensors import HostTensor, TensorAdapter, as_tensors
 from .transport import Transport
 from .transports import create_transport, list_transports, register_transport
 
@@ -65,9 +66,13 @@ __all__ = [
     # publishing and pulling
     "Publisher",
     "PublishResult",
+    "SlotSettings",
     "WhenFull",
     "Puller",
     "Pulled",
+    "LeaseSettings",
+    "RelaySettings",
+    "as_tensors",
     "SlicePuller",
     "SlicePulled",
     "RankSlice",
