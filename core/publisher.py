@@ -222,8 +222,7 @@ class Publisher:
         self.digest_kind: str | None = settings.digest_kind  # None: no digests
         self.digester = digester
         self.stream = stream
-        if stream:  # refused now, not at the first publish
-            as_streaming(registry)
+        settings.check_fit(registry, stream=stream)  # refused now, not at the first publish
         self.device = device
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()

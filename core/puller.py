@@ -325,20 +325,12 @@ class Puller:
             digester=digester,
             **flat,
         )
+        self.transport = transports.for_device(transport, device, staging)
+        # Refused now, not at the first pull; a mirror fed through host staging cannot relay.
+        settings.check_fit(registry, staged=self.transport is not transport)
         self.settings = settings
         leasing, relays = settings.lease, settings.relaying
-        if relays.host is not None and not isinstance(registry, RelayingRegistry):
-            raise InvalidArgumentError(f"{type(registry).__name__} hands out no sources (host=)")
         self._registry = registry
-        self.transport = transports.for_device(transport, device, staging)
-        if relays.relay and self.transport is not transport:
-            raise InvalidArgumentError(
-                f"a relay offers its mirror to other replicas, and a mirror on {device!r} fed through host staging "
-                f"cannot be exported: relay from a host mirror, or over a driver that reads into {device!r} "
-                "(staging=False)"
-            )
-        if stream:  # refused now, not at the first pull
-            as_streaming(registry)
         self.clock = clock or MonotonicClock()
         self.leases = LeaseClient(registry, settings.lease, holder=holder, clock=self.clock, publisher=publisher)
         self.holder, self.publisher = self.leases.holder, self.leases.publisher

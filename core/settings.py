@@ -1,8 +1,9 @@
 """The settings of a `Puller`, a `SlicePuller` and a `Publisher`, grouped, and every rule
 they must keep checked here, in one place: each settings class checks its own fields
-as it is made, and the `PullerSettings`/`PublisherSettings` that a puller or publisher
-makes of all it was given check the rules across groups. Every rule broken is named in
-one `InvalidArgumentError`, with the argument, what was wrong and the fix.
+as it is made, the `PullerSettings`/`PublisherSettings` that a puller or publisher
+makes of all it was given check the rules across groups, and their `check_fit` the rules
+that join them to the registry and driver given. Every rule broken is named in one
+`InvalidArgumentError`, with the argument, what was wrong and the fix.
 
 The old flat keyword arguments (`Puller(ttl=5.0)`) stay as good as the grouped form
 (`Puller(lease=LeaseSettings(ttl=5.0))`): `merge` makes the one of the other, and
@@ -19,6 +20,7 @@ import attrs
 
 from .digests import BLAKE2B128, KINDS, WSUM64
 from .errors import InvalidArgumentError
+from .registry import Registry, RelayingRegistry, StreamingRegistry
 from .transport import Region
 
 DEFAULT_STALL_TIMEOUT = 30.0
@@ -173,6 +175,26 @@ class PullerSettings:
             problems.append("a puller relays a version while pulling it (relay=True) with host= and stream=True")
         refuse(problems, "Puller")
 
+    def check_fit(self, registry: Registry, *, staged: bool) -> None:
+        """The rules that join these settings to the registry and the driver a puller
+        is made with (`staged`: its mirror is fed through host staging).
+
+        Raises:
+            InvalidArgumentError: naming every rule broken, and the fix.
+        """
+        problems = []
+        if self.stream and not isinstance(registry, StreamingRegistry):
+            problems.append(f"{type(registry).__name__} cannot stream versions (stream=True)")
+        if self.relaying.host is not None and not isinstance(registry, RelayingRegistry):
+            problems.append(f"{type(registry).__name__} hands out no sources (host=)")
+        if self.relaying.relay and staged:
+            problems.append(
+                f"a relay offers its mirror to other replicas, and a mirror on {self.device!r} fed through host "
+                f"staging cannot be exported: relay from a host mirror, or over a driver that reads into "
+                f"{self.device!r} (staging=False)"
+            )
+        refuse(problems, "Puller")
+
 
 class WhenFull(enum.Enum):
     """What `publish` does when every slot holds a leased or newest version."""
@@ -262,6 +284,15 @@ class PublisherSettings:
                 f"digester={digester_hint()} (SnapshotPublisher does)"
             )
         refuse(problems, "Publisher")
+
+    def check_fit(self, registry: Registry, *, stream: bool) -> None:
+        """The rules that join these settings to the registry a publisher is made with.
+
+        Raises:
+            InvalidArgumentError: the registry cannot stream (`stream`).
+        """
+        if stream and not isinstance(registry, StreamingRegistry):
+            raise InvalidArgumentError(f"{type(registry).__name__} cannot stream versions (stream=True)")
 
     @property
     def digest_kind(self) -> str | None:

@@ -228,3 +228,15 @@ def test_a_slice_puller_takes_its_lease_settings_either_way(world):
     assert flat.leases.settings == grouped.leases.settings
     with pytest.raises(InvalidArgumentError, match="renew_every"):
         SlicePuller(world.registry, transport, RANK, ttl=5.0, renew_every=5.0)
+
+
+def test_the_rules_joining_a_pullers_settings_to_its_registry_are_named_at_once(world):
+    class Plain:  # a Registry of someone else's that knows neither streams nor relays
+        pass
+
+    with pytest.raises(InvalidArgumentError, match="Puller: 2 problems") as caught:
+        Puller(Plain(), world.transport(), stream=True, host="h")
+    assert "Plain cannot stream versions (stream=True)" in str(caught.value)
+    assert "Plain hands out no sources (host=)" in str(caught.value)
+    with pytest.raises(InvalidArgumentError, match="Plain cannot stream versions"):
+        Publisher(Plain(), world.transport(), stream=True)
