@@ -123,14 +123,15 @@ fuzz-long: setup
 # then the site is built.
 docs: links
 	$(BIN)/python -c "from weightpull.states import markdown; print(markdown(), end='')" > docs/reference/states.md
-	@$(MAKE) --no-print-directory docs-build
+	$(BUILD_SITE)
 
 # The site (mkdocs.yml) into site/: the guides, the API reference generated from the
 # docstrings, the results. --strict fails on any warning (a docstring naming a parameter
 # the signature lacks, a broken link or anchor, a page left out of the nav), so the
 # reference cannot rot: `make test` builds it too (a few seconds).
+BUILD_SITE = NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 docs-build: links
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	$(BUILD_SITE)
 
 clean:
 	rm -rf $(VENV) $(TORCH_VENV) $(VERL_VENV) build site *.egg-info .pytest_cache .hypothesis
