@@ -1,5 +1,5 @@
 """Every path into docs/ that the code, the tests and the docs name exists, and every
-relative link of the README and of docs/ leads to a file: pages that move cannot leave
+relative link of the README, the changelog and docs/ leads to a file: pages that move cannot leave
 a CLI hint, a comment or a link pointing at nothing."""
 
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NAMED = re.compile(r"\bdocs/[\w./-]*[\w/]")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-SOURCES = ("README.md", "Makefile", "core", "drivers", "integrations", "tests", "fuzz", "docs")
+SOURCES = ("README.md", "CHANGELOG.md", "Makefile", "core", "drivers", "integrations", "tests", "fuzz", "docs")
 
 
 def files():
@@ -30,8 +30,8 @@ def test_every_docs_path_named_exists():
     assert not missing
 
 
-def test_every_relative_link_of_the_readme_and_the_docs_leads_to_a_file():
-    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+def test_every_relative_link_of_the_readme_the_changelog_and_the_docs_leads_to_a_file():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")]
     broken = [
         f"{page.relative_to(ROOT)}: {target}"
         for page in pages
