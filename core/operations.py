@@ -33,7 +33,7 @@ from .manifest import Manifest
 from .principals import Principal
 from .records import Lease, Progress, RegistryStatus, Reservation
 
-__all__ = ["OPERATIONS", "Callers", "Form", "Operation", "OperationsClient", "answer", "execute"]
+__all__ = ["OPERATIONS", "Callers", "Form", "Operation", "OperationsClient", "answer", "call", "execute"]
 
 # -- the schema of a value ---------------------------------------------------------------
 # Every value is bounded, not just typed: a hostile message must not make the registry
@@ -273,12 +273,22 @@ OPERATIONS: Mapping[str, Operation] = dict(
 # -- answering ---------------------------------------------------------------------------
 
 
+def call(machine: Any, name: str, values: Mapping[str, Any], *, by: Principal) -> Any:
+    """Run operation `name` (not a long poll) on `machine` (a `RegistryMachine`) as `by`,
+    with the machine's own values (nothing crosses): an optional one that is None is
+    left to the method's default."""
+    op = OPERATIONS[name]
+    assert not op.waits, f"{name} waits: answer it with `answer`"
+    kwargs = {k: v for k, v in values.items() if v is not None or k not in op.optional}
+    result = getattr(machine, op.target)(**kwargs, by=by)
+    return None if op.result is NOTHING else result
+
+
 def execute(machine: Any, name: str, args: Mapping[str, Any], *, by: Principal) -> Any:
     """Run one checked request (not a long poll) on `machine` (a `RegistryMachine`) as
     `by`, in one synchronous call; its result as JSON values."""
     op = OPERATIONS[name]
-    assert not op.waits, f"{name} waits: answer it with `answer`"
-    return op.encode_result(getattr(machine, op.target)(**op.decode_args(args), by=by))
+    return op.encode_result(call(machine, name, op.decode_args(args), by=by))
 
 
 async def answer(registry: Any, name: str, args: Mapping[str, Any], *, by: Principal, max_wait: float | None) -> Any:
@@ -300,9 +310,10 @@ async def answer(registry: Any, name: str, args: Mapping[str, Any], *, by: Princ
 
 
 class OperationsClient:
-    """The typed methods of every operation, for a registry reached by messages: each
-    encodes its arguments by the table, hands them to `_send`, and decodes the answer.
-    A subclass gives `_send` (one request, its JSON result) and may override a method
+    """The typed methods of every operation: each hands its arguments to `_op`, which
+    for a registry reached by messages encodes them by the table, hands them to `_send`,
+    and decodes the answer. A subclass gives `_send` (one request, its JSON result), or
+    `_op` itself (the in-process registry calls its machine), and may override a method
     to keep what it must remember (a served client's journal for a restart)."""
 
     async def _send(self, name: str, args: dict[str, Any]) -> Any:
@@ -318,6 +329,10 @@ class OperationsClient:
         """A long poll: `name`, answered once it may be or after `timeout`."""
         return await self._op(name, timeout=timeout, **values)
 
+    async def _stand_by(self, name: str) -> None:
+        """After a begin, report or offer that named `name` (a publisher, replica or
+        relay): a client with a heartbeat keeps it alive from then on."""
+
     # -- publishing --------------------------------------------------------------------
 
     async def begin(
@@ -325,39 +340,50 @@ class OperationsClient:
     ) -> int:
         """Begin a version; the number the registry gave it (the one asked for while free)."""
         number: int = await self._op("begin", version=version, publisher=publisher, slot=slot, shard=shard)
+        await self._stand_by(publisher)
         return number
 
     async def commit(self, manifest: Manifest) -> None:
+        """WRITING -> READY (a shard's part, for a sharded version); the line's previous newest READY retires."""
         await self._op("commit", manifest=manifest)
 
     async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
+        """Give up a version being written (one shard's part, with `shard`), saying why."""
         await self._op("abort", version=version, reason=reason, shard=shard)
 
     async def retire(self, version: int) -> None:
+        """Withdraw a READY version: no new leases; those held stay valid."""
         await self._op("retire", version=version)
 
     async def reclaim(self, version: int) -> None:
+        """Give a RETIRED or ABORTED version's slot back to its publisher, once no lease on it lives."""
         await self._op("reclaim", version=version)
 
     async def reserve(self, reservation: Reservation) -> None:
+        """Register a publisher's slots ahead of its first version."""
         await self._op("reserve", reservation=reservation)
 
     async def stream(self, manifest: Manifest) -> None:
+        """WRITING -> STREAMING: the version's manifest, so that readers may read it as it is written."""
         await self._op("stream", manifest=manifest)
 
     async def mark(self, version: int, committed: int) -> None:
+        """Of a STREAMING version, the first `committed` buckets may be read."""
         await self._op("mark", version=version, committed=committed)
 
     async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
+        """STREAMING -> READY, with the buckets' digests if any."""
         await self._op("commit_stream", version=version, digests=digests)
 
     # -- reading -----------------------------------------------------------------------
 
     async def newest(self, *, publisher: str | None = None) -> Manifest | None:
+        """The newest READY manifest of `publisher`'s line (None: the default line), or None."""
         found: Manifest | None = await self._op("newest", publisher=publisher)
         return found
 
     async def get(self, version: int) -> Manifest:
+        """The manifest of `version`."""
         manifest: Manifest = await self._op("get", version=version)
         return manifest
 
@@ -372,6 +398,8 @@ class OperationsClient:
         exclude: Iterable[str] = (),
         publisher: str | None = None,
     ) -> Lease:
+        """Lease `version` (None: the line's newest READY; with `streaming`, a STREAMING one
+        too), placed at a source (the version's slot or a relay) when `host` is given."""
         # Each sent only when set, `exclude` only with a host: an older registry takes the rest.
         lease: Lease = await self._op(
             "acquire",
@@ -380,16 +408,18 @@ class OperationsClient:
             holder=holder,
             streaming=streaming or None,
             host=host,
-            exclude=None if host is None else list(exclude),
+            exclude=None if host is None else exclude,
             publisher=publisher,
         )
         return lease
 
     async def renew(self, lease: Lease) -> Lease:
+        """The lease, valid for another TTL from now on the registry's clock."""
         renewed: Lease = await self._op("renew", lease=lease)
         return renewed
 
     async def release(self, lease: Lease) -> None:
+        """End a lease."""
         await self._op("release", lease=lease)
 
     async def release_checked(self, lease: Lease) -> bool | None:
@@ -399,14 +429,17 @@ class OperationsClient:
         return held
 
     async def is_valid(self, lease: Lease) -> bool:
+        """Whether the lease still holds."""
         valid: bool = await self._op("is_valid", lease=lease)
         return valid
 
     async def progress(self, version: int, *, source: str | None = None) -> Progress:
+        """How many of the version's buckets may be read now (from relay `source`'s mirror, if named)."""
         progress: Progress = await self._op("progress", version=version, source=source or None)
         return progress
 
     async def reservations(self) -> tuple[Reservation, ...]:
+        """Every publisher's reservation."""
         found: tuple[Reservation, ...] = await self._op("reservations")
         return found
 
@@ -449,26 +482,33 @@ class OperationsClient:
         await self._op(
             "offer", version=version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed
         )
+        await self._stand_by(holder)
 
     async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
+        """A relay's mirror now holds the version's first `landed` buckets."""
         await self._op("mark_offer", version=version, landed=landed, holder=holder)
 
     async def withdraw(self, version: int, *, holder: str) -> None:
+        """A relay stops offering the version."""
         await self._op("withdraw", version=version, holder=holder)
 
     async def readers_at(self, version: int, holder: str) -> int:
+        """How many live leases read the version from relay `holder`."""
         count: int = await self._op("readers_at", version=version, holder=holder)
         return count
 
     # -- replicas and status -----------------------------------------------------------
 
     async def report_serving(self, replica: str, version: int) -> None:
+        """Replica `replica` serves `version` now."""
         await self._op("report_serving", replica=replica, version=version)
+        await self._stand_by(replica)
 
     async def keepalive(self, names: tuple[str, ...] = ()) -> None:
         """Renew this principal's liveness, and that of the names given (its own)."""
         await self._op("keepalive", names=names)
 
     async def status(self) -> RegistryStatus:
+        """Every version, lease, serving replica, live principal and offer."""
         status: RegistryStatus = await self._op("status")
         return status

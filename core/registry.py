@@ -18,6 +18,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
 
+from . import operations
 from .clock import Clock, MonotonicClock, within
 from .errors import (
     DriverUnavailableError,
@@ -27,6 +28,7 @@ from .errors import (
     VersionWaitTimeoutError,
 )
 from .manifest import Manifest
+from .operations import OperationsClient
 from .principals import ADMIN, Principal
 from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
 from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
@@ -191,7 +193,7 @@ def as_streaming(registry: Registry) -> StreamingRegistry:
     return registry
 
 
-class InProcessRegistry:
+class InProcessRegistry(OperationsClient):
     """The registry inside one process: the default, and what a served one wraps. Each
     operation is one call on its `machine`, made as `principal` (an admin by default:
     one process owns all it holds); only `wait_for_version` awaits.
@@ -228,91 +230,10 @@ class InProcessRegistry:
     def max_ttl(self) -> float:
         return self.machine.max_ttl
 
-    async def begin(
-        self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
-    ) -> int:
-        return self.machine.begin(version, publisher=publisher, slot=slot, shard=shard, by=self.principal)
-
-    async def commit(self, manifest: Manifest) -> None:
-        self.machine.commit(manifest, by=self.principal)
-
-    async def abort(self, version: int, reason: str = "", *, shard: tuple[int, int] | None = None) -> None:
-        self.machine.abort(version, reason, shard=shard, by=self.principal)
-
-    async def retire(self, version: int) -> None:
-        self.machine.retire(version, by=self.principal)
-
-    async def reclaim(self, version: int) -> None:
-        self.machine.reclaim(version, by=self.principal)
-
-    async def newest(self, *, publisher: str | None = None) -> Manifest | None:
-        return self.machine.newest(publisher=publisher, by=self.principal)
-
-    async def get(self, version: int) -> Manifest:
-        return self.machine.get(version, by=self.principal)
-
-    async def acquire(
-        self,
-        version: int | None = None,
-        *,
-        ttl: float,
-        holder: str,
-        streaming: bool = False,
-        host: str | None = None,
-        exclude: Iterable[str] = (),
-        publisher: str | None = None,
-    ) -> Lease:
-        return self.machine.acquire(
-            version,
-            ttl=ttl,
-            holder=holder,
-            by=self.principal,
-            streaming=streaming,
-            host=host,
-            exclude=exclude,
-            publisher=publisher,
-        )
-
-    async def offer(
-        self,
-        version: int,
-        *,
-        holder: str,
-        host: str,
-        descriptor: bytes,
-        cap: int | None = None,
-        landed: int | None = None,
-    ) -> None:
-        self.machine.offer(
-            version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed, by=self.principal
-        )
-
-    async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
-        self.machine.mark_offer(version, landed, holder=holder, by=self.principal)
-
-    async def withdraw(self, version: int, *, holder: str) -> None:
-        self.machine.withdraw(version, holder=holder, by=self.principal)
-
-    async def readers_at(self, version: int, holder: str) -> int:
-        return self.machine.readers_at(version, holder, by=self.principal)
-
-    async def stream(self, manifest: Manifest) -> None:
-        self.machine.stream(manifest, by=self.principal)
-
-    async def mark(self, version: int, committed: int) -> None:
-        self.machine.mark(version, committed, by=self.principal)
-
-    async def commit_stream(self, version: int, digests: Sequence[str] | None = None) -> None:
-        self.machine.commit_stream(version, digests, by=self.principal)
-
-    async def progress(self, version: int, *, source: str | None = None) -> Progress:
-        return self.machine.progress(version, source=source, by=self.principal)
-
-    async def reserve(self, reservation: Reservation) -> None:
-        self.machine.reserve(reservation, by=self.principal)
-
-    async def reservations(self) -> tuple[Reservation, ...]:
-        return self.machine.reservations(by=self.principal)
+    async def _op(self, name: str, **values: Any) -> Any:
+        """Each operation of the table (`OperationsClient`'s methods): one call on the
+        machine as this face's principal, with the values as they are."""
+        return operations.call(self.machine, name, values, by=self.principal)
 
     async def wait_for_buckets(
         self,
@@ -353,30 +274,6 @@ class InProcessRegistry:
                 )
                 raise VersionWaitTimeoutError(f"v{version}: {got} within {timeout} s, not {at_least}")
             await within(self.clock, remaining, self._event().wait)
-
-    async def renew(self, lease: Lease) -> Lease:
-        return self.machine.renew(lease, by=self.principal)
-
-    async def release(self, lease: Lease) -> None:
-        self.machine.release(lease, by=self.principal)
-
-    async def release_checked(self, lease: Lease) -> bool:
-        """End a lease, and say whether it held until then: a reader's last check and its
-        release in one call (`is_valid`, then `release`)."""
-        return self.machine.release(lease, by=self.principal)
-
-    async def is_valid(self, lease: Lease) -> bool:
-        return self.machine.is_valid(lease, by=self.principal)
-
-    async def report_serving(self, replica: str, version: int) -> None:
-        self.machine.report_serving(replica, version, by=self.principal)
-
-    async def keepalive(self, names: tuple[str, ...] = ()) -> None:
-        """Renew this principal's liveness, and that of the names given."""
-        self.machine.keepalive(names, by=self.principal)
-
-    async def status(self) -> RegistryStatus:
-        return self.machine.status(by=self.principal)
 
     async def wait_for_version(
         self, min_version: int, timeout: float | None = None, *, publisher: str | None = None

@@ -318,30 +318,6 @@ class RayRegistry(OperationsClient):
 
     # -- liveness --------------------------------------------------------------------------
 
-    async def begin(
-        self, version: int | None = None, *, publisher: str, slot: int, shard: tuple[int, int] | None = None
-    ) -> int:
-        number = await super().begin(version, publisher=publisher, slot=slot, shard=shard)
-        await self._stand_by(publisher)
-        return number
-
-    async def report_serving(self, replica: str, version: int) -> None:
-        await super().report_serving(replica, version)
-        await self._stand_by(replica)
-
-    async def offer(
-        self,
-        version: int,
-        *,
-        holder: str,
-        host: str,
-        descriptor: bytes,
-        cap: int | None = None,
-        landed: int | None = None,
-    ) -> None:
-        await super().offer(version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed)
-        await self._stand_by(holder)
-
     async def _stand_by(self, name: str) -> None:
         """Keep `name` alive from now on, with a heartbeat if the registry judges liveness
         (the first time, it asks whether it does)."""

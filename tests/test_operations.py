@@ -78,12 +78,12 @@ def test_the_wire_forms_are_the_tables():
     assert {n for n, op in OPERATIONS.items() if op.callers is Callers.PUBLISHER} >= {"begin", "commit", "retire"}
 
 
-def test_both_clients_are_made_from_the_face():
+def test_the_clients_and_the_in_process_registry_are_made_from_the_face():
     pytest.importorskip("zmq")
     from weightpull.drivers.ray_registry import RayRegistry
     from weightpull.drivers.zmq_registry.client import ZmqRegistry
 
-    for client in (ZmqRegistry, RayRegistry):
+    for client in (ZmqRegistry, RayRegistry, InProcessRegistry):
         assert issubclass(client, OperationsClient)
         for name in set(OPERATIONS) - {"ping"}:  # an override keeps the face's signature
             assert parameters(getattr(client, name)).keys() == parameters(getattr(OperationsClient, name)).keys()
