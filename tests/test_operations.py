@@ -147,3 +147,27 @@ async def server_answer(registry, name, args, by):
     from weightpull.operations import answer
 
     return await answer(registry, name, args, by=by, max_wait=1.0)
+
+
+async def test_the_machine_refuses_a_reader_every_operation_the_table_gives_publishers():
+    from weightpull.errors import PermissionDeniedError
+
+    registry = InProcessRegistry()
+    trainer = registry.as_principal(Principal.publisher("p"))
+    reader = registry.as_principal(Principal.reader("r"))
+    v = await trainer.begin(publisher="p", slot=0)
+    calls = {
+        "begin": lambda: reader.begin(publisher="p", slot=1),
+        "commit": lambda: reader.commit(manifest(v)),
+        "abort": lambda: reader.abort(v, "not mine"),
+        "retire": lambda: reader.retire(v),
+        "reclaim": lambda: reader.reclaim(v),
+        "stream": lambda: reader.stream(manifest(v)),
+        "mark": lambda: reader.mark(v, 1),
+        "commit_stream": lambda: reader.commit_stream(v),
+        "reserve": lambda: reader.reserve(Reservation("p", "fake", (b"s",), 8)),
+    }
+    assert set(calls) == {n for n, op in OPERATIONS.items() if op.callers is Callers.PUBLISHER}
+    for name, call in calls.items():
+        with pytest.raises(PermissionDeniedError, match=f"reader r may not {name}"):
+            await call()
