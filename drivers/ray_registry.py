@@ -144,6 +144,9 @@ class RegistryActor:
             who = self._who(token)
             if op not in OPERATIONS:
                 raise InvalidArgumentError(f"the registry has no operation {op!r}")
+            # A handle of an earlier release passed an optional argument unset as None.
+            optional = operations.OPERATIONS[op].optional
+            args = {k: v for k, v in args.items() if v is not None or k not in optional}
             check_args(Request("ray", op, args, None))  # the served registry's checks, by the same table
             result = await operations.answer(self.registry, op, args, by=who, max_wait=None)
         except WeightpullError as exc:

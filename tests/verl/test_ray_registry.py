@@ -291,3 +291,14 @@ async def test_an_origin_cap_places_readers_past_it_elsewhere(ray_local):
     with pytest.raises(NoSourceError):  # no relay offers it: ask again later
         await reader.acquire(v, ttl=10.0, holder="replica-0/b", host="h2")
     driver.kill()
+
+
+async def test_a_call_as_a_handle_of_an_earlier_release_makes_it_is_answered(ray_local):
+    """Such a handle sent every argument, an optional one unset as None (shard=None)."""
+    with pytest.warns(DeprecationWarning):
+        registry = RayRegistry(fresh_address())
+    answer = await registry.actor.call.remote("begin", {"version": None, "publisher": "p", "slot": 0, "shard": None})
+    assert isinstance(answer["ok"], int)
+    answer = await registry.actor.call.remote("newest", {})
+    assert answer == {"ok": None}
+    registry.kill()
