@@ -112,6 +112,11 @@ _cuda: Cuda | None = None
 
 
 def cuda() -> Cuda:
+    """The process's binding of the CUDA driver API, loaded on first use.
+
+    Raises:
+        DriverUnavailableError: libcuda.so.1 cannot load (no NVIDIA driver here).
+    """
     global _cuda
     if _cuda is None:
         _cuda = Cuda()

@@ -79,7 +79,14 @@ def _alive(pid: int) -> bool:
 def sweep_dead_owners(directory: str | None = None) -> list[str]:
     """Remove the files of owners that died without closing (SIGKILL, say): a host slot's
     holds gigabytes of shared memory. A file goes when its owner's process is gone and no
-    one holds its lock; a reader that still has it open reads `PeerGoneError`."""
+    one holds its lock; a reader that still has it open reads `PeerGoneError`.
+
+    Args:
+        directory: Where the files are (default: the host's, in /dev/shm).
+
+    Returns:
+        The names of the files removed.
+    """
     directory = directory or files_dir()
     removed = []
     for name in os.listdir(directory):
