@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 
 import attrs
 
+from . import plugins
 from .digests import BLAKE2B128, KINDS, WSUM64
 from .errors import InvalidArgumentError
 from .registry import Registry, RelayingRegistry, StreamingRegistry
 from .transport import Region
 
 DEFAULT_STALL_TIMEOUT = 30.0
-_TORCH_DIGESTER = "weightpull.integrations.torch_digests.wsum64_digests"
+_TORCH_DIGESTER = plugins.Named(plugins.DIGESTERS, "torch")  # an entry point: the core names no integration
 
 # What computes the wsum64 digests of a slot on a device, where it lies: given the slot
 # and each bucket's (offset, nbytes), each bucket's digest (``wsum64:<hex>``). Called in a
@@ -36,7 +37,7 @@ Digester = Callable[[Region, Sequence[tuple[int, int]]], Sequence[str]]
 def digester_hint() -> str:
     """The digester a message names as the fix where a device needs one (wsum64 digests
     computed, or checked, where a slot or mirror lies): the torch integration's."""
-    return _TORCH_DIGESTER
+    return str(_TORCH_DIGESTER)
 
 
 def refuse(problems: Sequence[str], what: str) -> None:
