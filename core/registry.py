@@ -11,14 +11,13 @@ there, its machine method, and its method here and on the protocol it belongs to
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 import anyio
 
-from . import operations
+from . import operations, plugins
 from .clock import Clock, MonotonicClock, within
 from .errors import (
     DriverUnavailableError,
@@ -54,8 +53,9 @@ __all__ = [
 ]
 
 REGISTRY_ENV = "WEIGHTPULL_REGISTRY"  # the address of a served registry
-_SERVED = "weightpull.drivers.zmq_registry.client:ZmqRegistry"
-_RAY = "weightpull.drivers.ray_registry:RayRegistry"
+# connect_registry's clients, entry points of weightpull.registry_clients (the core names no driver).
+_SERVED = "tcp"
+_RAY = "ray"
 
 
 @runtime_checkable
@@ -331,12 +331,11 @@ def connect_registry(address: str | None = None, **options: Any) -> Registry:
     if address is None:
         return InProcessRegistry()
     target, extra, needs = (_RAY, "verl", "Ray") if address.startswith("ray://") else (_SERVED, "service", "pyzmq")
-    module, _, name = target.partition(":")
     try:
-        client = getattr(importlib.import_module(module), name)
+        client = plugins.load_builtin(plugins.REGISTRY_CLIENTS, target, "its client")
     except ImportError as exc:
         raise DriverUnavailableError(
-            f"the registry at {address} needs {needs}: pip install 'weightpull[{extra}]' ({exc})"
+            f"the registry at {address} needs {needs}: pip install 'weightpull[{extra}]' ({exc.__cause__ or exc})"
         ) from exc
     registry: Registry = client(address, **options)  # loaded by name, so typed here
     return registry
