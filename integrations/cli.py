@@ -1006,6 +1006,9 @@ def parser() -> argparse.ArgumentParser:
     from .simulate import add_parser as simulate_parser  # the fan-out model: `weightpull simulate`
 
     simulate_parser(sub)
+    from .doctor import add_parser as doctor_parser  # what stands between this host and a pull: `weightpull doctor`
+
+    doctor_parser(sub)
 
     registry = sub.add_parser("registry", help="serve the registry over ZeroMQ")
     rsub = registry.add_subparsers(dest="registry_command", required=True)
