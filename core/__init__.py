@@ -51,6 +51,7 @@ from .registry import (
 )
 from .rl.agent import EngineControl, PauseMode, UpdateAgent
 from .rl.dispatcher import Dispatcher, Prompt
+from .serving import wait_until_served
 from .settings import LeaseSettings, RelaySettings, SlotSettings
 from .sharding import Sharding
 from .slice_puller import SlicePulled, SlicePuller
@@ -87,6 +88,7 @@ __all__ = [
     "RegistryStatus",
     "Principal",
     "Role",
+    "wait_until_served",
     # transports
     "create_transport",
     "list_transports",

@@ -292,6 +292,37 @@ class VersionWaitTimeoutError(WeightpullError, TimeoutError):
     """
 
 
+class PublisherLapsedError(VersionWaitTimeoutError):
+    """The publisher a wait was waiting on lapsed: the version it waits for will not come.
+
+    Raised by a wait on a version (`wait_for_version`, `wait_for_buckets` of a version not
+    begun yet, `Puller.borrow(wait=...)`, `UpdateAgent.wait_for_version`) once the registry
+    takes the publisher of the line it follows for dead (not heard from for the registry's
+    `liveness_ttl`), instead of at the wait's own timeout; `publisher` names it (empty when
+    read back from a served registry: the message names it). A publisher that is slow but
+    alive ends no wait. Fix: restart the publisher (it is taken back when it is heard from
+    again), then wait again. Also a `VersionWaitTimeoutError`, so code that handled the
+    timeout handles this too.
+    """
+
+    def __init__(self, message: str, *, publisher: str = "") -> None:
+        super().__init__(message)
+        self.publisher = publisher
+
+
+class ReplicasLeftError(WeightpullError):
+    """Replicas a trainer waited on left (their liveness lapsed) before serving the version.
+
+    Raised by `wait_until_served`; `replicas` names them (empty when read back from a
+    served registry: the message names them). Fix: see why they died (their logs), restart
+    them, or wait again for the replicas that are left.
+    """
+
+    def __init__(self, message: str, *, replicas: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.replicas = replicas
+
+
 # -- transports --------------------------------------------------------------------------
 
 

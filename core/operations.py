@@ -31,7 +31,7 @@ from . import schema
 from .errors import MalformedMessageError, ProtocolError
 from .manifest import Manifest
 from .principals import Principal
-from .records import Lease, Progress, RegistryStatus, Reservation
+from .records import Lease, Progress, PullReport, RegistryStatus, Reservation
 
 __all__ = ["OPERATIONS", "Callers", "Form", "Operation", "OperationsClient", "answer", "call", "execute"]
 
@@ -101,6 +101,7 @@ BLOB = Form(Blob, to_json=lambda b: base64.b64encode(b).decode(), from_json=_unb
 MANIFEST = Form(Object, to_json=Manifest.to_dict, from_json=Manifest.from_dict)
 LEASE = Form(Object, to_json=Lease.to_dict, from_json=Lease.from_dict)
 RESERVATION = Form(Object, to_json=Reservation.to_dict, from_json=Reservation.from_dict)
+PULL = Form(Object, to_json=PullReport.to_dict, from_json=PullReport.from_dict)
 
 # Results: each is JSON as the machine's value becomes it; the receiver rebuilds it.
 PLAIN = Form(Any)  # None, or a number the caller reads as it is
@@ -264,7 +265,13 @@ OPERATIONS: Mapping[str, Operation] = dict(
             optional={"publisher": TEXT},
             waits=True,
         ),
-        _op("report_serving", {"replica": TEXT, "version": COUNT}, mutates=True, callers=_H),
+        _op(
+            "report_serving",
+            {"replica": TEXT, "version": COUNT},
+            mutates=True,
+            optional={"pull": PULL},
+            callers=_H,
+        ),
         _op("status", {}, STATUS),
     ]
 )
@@ -499,9 +506,9 @@ class OperationsClient:
 
     # -- replicas and status -----------------------------------------------------------
 
-    async def report_serving(self, replica: str, version: int) -> None:
-        """Replica `replica` serves `version` now."""
-        await self._op("report_serving", replica=replica, version=version)
+    async def report_serving(self, replica: str, version: int, *, pull: PullReport | None = None) -> None:
+        """Replica `replica` serves `version` now; with `pull`, how its pull went (the status shows it)."""
+        await self._op("report_serving", replica=replica, version=version, pull=pull)
         await self._stand_by(replica)
 
     async def keepalive(self, names: tuple[str, ...] = ()) -> None:

@@ -57,7 +57,7 @@ from .leasing import (
     release_quietly,
 )
 from .manifest import Manifest
-from .records import Progress
+from .records import Progress, PullReport
 from .registry import Lease, Registry, RelayingRegistry, ReservingRegistry, as_streaming
 from .relaying import RelayServer
 from .settings import Digester, LeaseSettings, PullerSettings, RelaySettings, merge
@@ -353,6 +353,7 @@ class Puller:
         self._remotes = Connections(self.transport, _MAX_REMOTES)
         self._lock: anyio.Lock | None = None  # made lazily: needs a running event loop
         self._last: Pulled | None = None
+        self._pulled_from = ""  # the source of the last copy _pull made ("": the slot)
         self._behind: int | None = None  # versions the mirror lagged when the last pull began
         self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0, "borrows": 0}
 
@@ -579,6 +580,13 @@ class Puller:
                 mapped += 1
             return mapped
 
+    def last_pull(self) -> PullReport | None:
+        """How the last good pull went (its seconds, bytes and source: "" for the version's
+        own slot, else the relay), as a replica reports it with `report_serving(...,
+        pull=...)` for the registry's status; None before the first."""
+        last = self._last
+        return None if last is None else PullReport(last.seconds, last.nbytes, self._pulled_from)
+
     def metrics(self) -> dict[str, int | float]:
         """This puller's figures, flat, for a trainer's or a replica's logger: the last
         good pull's version, seconds, bytes, GB/s and lease renewals; how many versions
@@ -673,6 +681,7 @@ class Puller:
                 if manifest.digests is not None and self.verify_digests and self.checker.checkable(manifest, must=must):
                     await self.checker.verify(manifest, mirror)
             self.mirror_version = manifest.version
+            self._pulled_from = source
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
         finally:
             self._manifests.pop(lease.version, None)  # a manifest is trusted for one lease's span

@@ -55,6 +55,8 @@ class VersionInfo(schema.Record):
         reason: Why it was aborted or retired, if said.
         committed: Of a STREAMING version, the buckets committed so far.
         slots: Of a sharded version, (publisher, slot) of every shard begun.
+        step: The step its publisher gave it (`Manifest.step`: the number it asked
+            for, its training step, say), once its manifest is known.
     """
 
     version: int
@@ -69,6 +71,7 @@ class VersionInfo(schema.Record):
     # Of a sharded version: (publisher, slot) of every shard begun, the first being
     # `publisher` and `slot` above; empty for a version one publisher writes.
     slots: tuple[tuple[str, int], ...] = ()
+    step: int | None = None  # the step its publisher gave (its manifest's), if any
 
 
 @attrs.frozen
@@ -132,6 +135,49 @@ class OfferInfo(schema.Record):
 
 
 @attrs.frozen
+class PullReport(schema.Record):
+    """How a replica's last pull went, as it reports it with `report_serving`: `nbytes`
+    in `seconds`, from `source` ("" for the version's own slot, else the relay's name)."""
+
+    seconds: float
+    nbytes: int
+    source: str = ""
+
+    @property
+    def gbps(self) -> float:
+        """Its rate in GB/s (0 for a pull that took no time)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@attrs.frozen
+class PullInfo(schema.Record):
+    """A replica's last pull as the registry's status shows it: of `version`, reported
+    `ago` seconds back on the registry's clock, `nbytes` in `seconds` from `source` ("" for
+    the version's own slot)."""
+
+    version: int
+    ago: float
+    seconds: float
+    nbytes: int
+    source: str = ""
+
+    @property
+    def gbps(self) -> float:
+        """Its rate in GB/s (0 for a pull that took no time)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@attrs.frozen
+class LapseInfo(schema.Record):
+    """A principal whose liveness lapsed lately: `ago` seconds back, and what that ended
+    (`ended`: "withdrew v3", "aborted v4", "replica r1 stopped serving v2"; empty if nothing)."""
+
+    name: str
+    ago: float
+    ended: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class RegistryStatus(schema.Record):
     """What `Registry.status` returns: every version, lease, replica and relay offer.
 
@@ -143,6 +189,10 @@ class RegistryStatus(schema.Record):
         alive: Each principal's seconds of liveness left (<= 0: lapsed); empty for a
             registry that judges no liveness.
         offers: Relays' offers, by version then holder.
+        pulls: Each live replica's last pull, where it reported one (`report_serving`'s
+            `pull`).
+        lapsed: The principals whose liveness lapsed in the last `LAPSE_WINDOW` seconds
+            (at most `MAX_LAPSES`), newest first.
     """
 
     newest_ready: int | None
@@ -153,16 +203,24 @@ class RegistryStatus(schema.Record):
     # registry judges no liveness (an embedded one)
     alive: Mapping[str, float] = attrs.Factory(dict)
     offers: tuple[OfferInfo, ...] = ()  # relays' offers, by version then holder
+    pulls: Mapping[str, PullInfo] = attrs.Factory(dict)  # replica -> its last pull, where reported
+    lapsed: tuple[LapseInfo, ...] = ()  # principals lapsed lately, newest first
 
 
 # `alive` is sent only when the registry judges liveness, `offers` only when a relay
-# offers, `committed` only for a streaming version, `slots` only for a sharded one, and a
+# offers, `pulls` only once a replica reported one, `lapsed` only after a lapse, a
+# version's `step` only when its publisher gave one, `committed` only for a streaming version, `slots` only for a sharded one, and a
 # progress's or a lease's `source` only for a relay's copy: records without them read as
 # ever, and older peers never see them.
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is RegistryStatus,
     lambda t: make_dict_unstructure_fn(
-        t, schema.converter, alive=override(omit_if_default=True), offers=override(omit_if_default=True)
+        t,
+        schema.converter,
+        alive=override(omit_if_default=True),
+        offers=override(omit_if_default=True),
+        pulls=override(omit_if_default=True),
+        lapsed=override(omit_if_default=True),
     ),
 )
 schema.converter.register_unstructure_hook_factory(
@@ -178,8 +236,20 @@ schema.converter.register_unstructure_hook_factory(
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is VersionInfo,
     lambda t: make_dict_unstructure_fn(
-        t, schema.converter, committed=override(omit_if_default=True), slots=override(omit_if_default=True)
+        t,
+        schema.converter,
+        committed=override(omit_if_default=True),
+        slots=override(omit_if_default=True),
+        step=override(omit_if_default=True),
     ),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t in (PullReport, PullInfo),
+    lambda t: make_dict_unstructure_fn(t, schema.converter, source=override(omit_if_default=True)),
+)
+schema.converter.register_unstructure_hook_factory(
+    lambda t: t is LapseInfo,
+    lambda t: make_dict_unstructure_fn(t, schema.converter, ended=override(omit_if_default=True)),
 )
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is LeaseInfo,

@@ -22,6 +22,7 @@ from .clock import Clock, MonotonicClock, within
 from .errors import (
     DriverUnavailableError,
     InvalidArgumentError,
+    PublisherLapsedError,
     VersionNotFoundError,
     VersionStateError,
     VersionWaitTimeoutError,
@@ -29,7 +30,7 @@ from .errors import (
 from .manifest import Manifest
 from .operations import OperationsClient
 from .principals import ADMIN, Principal
-from .records import Lease, LeaseInfo, Progress, RegistryStatus, Reservation, VersionInfo
+from .records import Lease, LeaseInfo, Progress, PullReport, RegistryStatus, Reservation, VersionInfo
 from .registry_machine import DEFAULT_MAX_TTL, RegistryMachine, check_int
 from .states import VersionState
 
@@ -98,7 +99,7 @@ class Registry(AsyncResource, Protocol):
     async def wait_for_version(
         self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
     ) -> Manifest: ...
-    async def report_serving(self, replica: str, version: int) -> None: ...
+    async def report_serving(self, replica: str, version: int, *, pull: PullReport | None = None) -> None: ...
     async def status(self) -> RegistryStatus: ...
 
 
@@ -251,7 +252,9 @@ class InProcessRegistry(OperationsClient):
         begins it); `VersionNotFoundError` once a later one began instead (in `publisher`'s
         line; None: the default line). With `source`
         (a relay's name), of that relay's copy (`RegistryMachine.progress`): woken by its
-        marks, and `NoSourceError` once it offers the version no longer."""
+        marks, and `NoSourceError` once it offers the version no longer.
+        `PublisherLapsedError` when the publisher of a version not begun yet lapses (one
+        that lapses while it streams ends it ABORTED, as above)."""
         check_int("at_least", at_least)
         deadline = None if timeout is None else self.clock.now() + timeout
         while True:
@@ -267,32 +270,57 @@ class InProcessRegistry(OperationsClient):
                 if not progress.state.being_written:
                     why = f" ({progress.reason})" if progress.reason else ""
                     raise VersionStateError(f"version {version} is {progress.state}{why}: its stream ended unfinished")
+            if progress is None:
+                self._check_lapse(publisher, f"v{version}")
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
                 got = (
                     "not begun" if progress is None else f"{progress.committed} of {progress.buckets} buckets committed"
                 )
                 raise VersionWaitTimeoutError(f"v{version}: {got} within {timeout} s, not {at_least}")
-            await within(self.clock, remaining, self._event().wait)
+            await within(self.clock, self._until_lapse(publisher, remaining), self._event().wait)
 
     async def wait_for_version(
         self, min_version: int, timeout: float | None = None, *, publisher: str | None = None
     ) -> Manifest:
         """The newest READY manifest of `publisher`'s line (None: the default line) once
-        its version is at least `min_version`."""
+        its version is at least `min_version`; `VersionWaitTimeoutError` after `timeout`,
+        and `PublisherLapsedError` as soon as the line's publisher lapses (the registry's
+        `liveness_ttl`), before or while it waits."""
         check_int("min_version", min_version)
         deadline = None if timeout is None else self.clock.now() + timeout
         while (newest := self.machine.newest_of(publisher)) is None or newest < min_version:
+            self._check_lapse(publisher, f"a version >= {min_version}")
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
                 of = "" if publisher is None else f" of {publisher!r}"
                 raise VersionWaitTimeoutError(
                     f"no version{of} >= {min_version} within {timeout} s (newest READY: {newest})"
                 )
-            await within(self.clock, remaining, self._event().wait)
+            await within(self.clock, self._until_lapse(publisher, remaining), self._event().wait)
         manifest = self.machine.newest(publisher=publisher)
         assert manifest is not None
         return manifest
+
+    def _check_lapse(self, publisher: str | None, waits_for: str) -> None:
+        """`PublisherLapsedError` if the publisher a wait on `publisher`'s line waits on lapsed."""
+        name = self.machine.waited_on(publisher)
+        if name is not None and self.machine.lapsed(name):
+            raise PublisherLapsedError(
+                f"publisher {name!r} lapsed (not heard from for {self.machine.liveness_ttl:g} s): {waits_for} "
+                f"will not come from it; restart it (or check why it died), then wait again",
+                publisher=name,
+            )
+
+    def _until_lapse(self, publisher: str | None, remaining: float | None) -> float | None:
+        """How long a wait sleeps at most: `remaining`, or less, to wake when the
+        publisher it waits on is due to lapse (a renewal then just sleeps again)."""
+        name = self.machine.waited_on(publisher)
+        due = None if name is None else self.machine.lapses_at(name)
+        if due is None:
+            return remaining
+        until = max(0.0, due - self.clock.now())
+        return until if remaining is None else min(remaining, until)
 
     async def aclose(self) -> None:
         """Nothing to release: it owns no task, and its waiters are their callers' own

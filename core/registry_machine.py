@@ -62,7 +62,18 @@ from .errors import (
 )
 from .manifest import Manifest
 from .principals import ADMIN, Principal, Role, root
-from .records import Lease, LeaseInfo, OfferInfo, Progress, RegistryStatus, Reservation, VersionInfo
+from .records import (
+    LapseInfo,
+    Lease,
+    LeaseInfo,
+    OfferInfo,
+    Progress,
+    PullInfo,
+    PullReport,
+    RegistryStatus,
+    Reservation,
+    VersionInfo,
+)
 from .relays import ORIGIN, Offer, RelayBook
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
@@ -84,6 +95,9 @@ MAX_HELD_VERSIONS = 128
 # line's under it. Lines number on their own, so only this keeps numbers from coming back.
 QUARANTINED_NUMBERS = 1024
 _MAX_ENDED_LEASES = 256  # ended leases kept per version, for status and idempotent release
+LAPSE_WINDOW = 600.0  # seconds a lapse stays in the status
+MAX_LAPSES = 64  # lapses the status keeps at most: the table cannot grow without bound
+MAX_SOURCE_NAME = 256  # a pull report's source name, at most
 
 
 class Now(Protocol):
@@ -145,6 +159,16 @@ def check_int(what: str, value: object) -> int:
     return value
 
 
+def _check_pull(pull: object) -> None:
+    if not isinstance(pull, PullReport):
+        raise InvalidArgumentError(f"pull must be a PullReport, got {type(pull).__name__}")
+    if not (isinstance(pull.seconds, (int, float)) and 0 <= pull.seconds < 1e18):
+        raise InvalidArgumentError(f"a pull's seconds must be a number >= 0, got {pull.seconds!r}")
+    check_int("a pull's nbytes", pull.nbytes)
+    if not isinstance(pull.source, str) or len(pull.source) > MAX_SOURCE_NAME:
+        raise InvalidArgumentError(f"a pull's source must be a name of at most {MAX_SOURCE_NAME} characters")
+
+
 def check_name(what: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidArgumentError(f"{what} must be a non-empty string, got {value!r}")
@@ -175,6 +199,9 @@ class RegistryMachine:
         self._serving: dict[str, int] = {}
         self._alive: dict[str, float] = {}  # principal name -> when its liveness lapses
         self._lapsed: set[str] = set()  # those whose lapse was acted on
+        # Lapses lately, for the status: (name, when, what it ended), oldest first.
+        self._lapses: collections.deque[tuple[str, float, tuple[str, ...]]] = collections.deque(maxlen=MAX_LAPSES)
+        self._pulls: dict[str, tuple[int, float, PullReport]] = {}  # replica -> (version, when, its last pull)
         # Lease ids are unique across registries: one from before a served registry
         # restarted is never mistaken for one granted since.
         self._lease_prefix = uuid.uuid4().hex[:12]
@@ -566,6 +593,7 @@ class RegistryMachine:
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "acquire", f"a lease for {holder!r}", "a principal holds leases only under its own names")
+        self._touch_named(by, holder)
         if not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl:
             raise InvalidArgumentError(f"ttl must be in (0, {self.max_ttl}] seconds, got {ttl!r}")
         readable = (VersionState.READY, VersionState.STREAMING) if streaming else (VersionState.READY,)
@@ -665,6 +693,7 @@ class RegistryMachine:
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "offer", f"v{version} as {holder!r}", "a principal offers only under its own names")
+        self._touch_named(by, holder)
         record = self._record(version)
         relayable = (VersionState.READY,) if landed is None else (VersionState.READY, VersionState.STREAMING)
         if record.state not in relayable or record.manifest is None:
@@ -690,6 +719,7 @@ class RegistryMachine:
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "mark_offer", f"v{version} as {holder!r}", "a principal marks only its own offers")
+        self._touch_named(by, holder)
         record = self._record(version)
         offer = self.relays.offer_of(version, holder)
         if offer is None:
@@ -746,12 +776,21 @@ class RegistryMachine:
 
     # -- replicas, liveness and status ---------------------------------------------------
 
-    def report_serving(self, replica: str, version: int, *, by: Principal = ADMIN) -> None:
+    def report_serving(
+        self, replica: str, version: int, *, pull: PullReport | None = None, by: Principal = ADMIN
+    ) -> None:
+        """Replica `replica` serves `version` now; with `pull`, how the pull that brought it
+        went (the status shows it)."""
         self._enter(by, "report_serving")
         check_name("replica", replica)
         if not by.owns(replica):
             self._refuse(by, "report_serving", f"replica {replica!r}", "a principal reports only what it serves itself")
-        self._serving[replica] = check_int("version", version)
+        check_int("version", version)
+        if pull is not None:
+            _check_pull(pull)
+        self._serving[replica] = version
+        if pull is not None:
+            self._pulls[replica] = (version, self.clock.now(), pull)
         self._touch(root(replica))
 
     # -- reservations --------------------------------------------------------------------
@@ -791,6 +830,31 @@ class RegistryMachine:
                 self._refuse(by, "keepalive", f"{name!r}", "a principal keeps alive only its own names")
             self._touch(root(name))
 
+    # -- what waits ask ----------------------------------------------------------------
+
+    def waited_on(self, publisher: str | None) -> str | None:
+        """The publisher a wait on `publisher`'s line (None: the default line) waits on:
+        the one named (even before its first version), else the default line's owner;
+        None while no line is there to follow."""
+        if publisher is not None:
+            return check_name("publisher", publisher)
+        line = self._follow(None)
+        return None if line is None else line.owner
+
+    def lapsed(self, name: str) -> bool:
+        """Whether `name`'s liveness lapsed (acted on now if due) and it was not heard from since."""
+        self._sweep()
+        return name in self._lapsed
+
+    def lapses_at(self, name: str) -> float | None:
+        """When `name`'s liveness lapses on the registry's clock, unless renewed: what a
+        waiter on it sleeps until at most, so that the lapse ends its wait on time even
+        where no timer sweeps. None: no liveness is judged, `name` was never heard from,
+        or it lapsed already."""
+        if self.liveness_ttl is None or name in self._lapsed:
+            return None
+        return self._alive.get(name)
+
     def status(self, *, by: Principal = ADMIN) -> RegistryStatus:
         self._enter(by, "status")
         now = self.clock.now()
@@ -809,6 +873,7 @@ class RegistryMachine:
                     reason=record.reason,
                     committed=record.committed if record.state is VersionState.STREAMING else None,
                     slots=tuple(record.slots()) if record.shards is not None else (),
+                    step=record.manifest.step if record.manifest else None,
                 )
             )
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now, x.source) for x in live]
@@ -824,7 +889,14 @@ class RegistryMachine:
                 offers.append(OfferInfo(record.version, o.holder, o.host, landed, total, leases_at, o.cap))
         default = self._follow(None)
         newest = None if default is None else default.newest
-        return RegistryStatus(newest, tuple(versions), tuple(leases), serving, alive, tuple(offers))
+        pulls = {
+            replica: PullInfo(v, now - at, pull.seconds, pull.nbytes, pull.source)
+            for replica, (v, at, pull) in sorted(self._pulls.items())
+        }
+        lapsed = tuple(
+            LapseInfo(name, now - at, ended) for name, at, ended in reversed(self._lapses) if now - at <= LAPSE_WINDOW
+        )
+        return RegistryStatus(newest, tuple(versions), tuple(leases), serving, alive, tuple(offers), pulls, lapsed)
 
     # -- authority -----------------------------------------------------------------------
 
@@ -833,8 +905,13 @@ class RegistryMachine:
         if not isinstance(by, Principal):
             raise InvalidArgumentError(f"{op}: `by` must be a Principal, got {by!r}")
         self._sweep()
-        if not by.is_admin:
+        if not by.is_admin and not by.is_prefix:  # a prefix is no one: its replicas live by their names
             self._touch(by.name)
+
+    def _touch_named(self, by: Principal, name: str) -> None:
+        """A prefix principal's replica is alive by the name it acts under (`rollout-7`)."""
+        if by.is_prefix:
+            self._touch(root(name))
 
     def _refuse(self, by: Principal, op: str, what: str, rule: str) -> NoReturn:
         log.warning("refused %s of %s by %s: %s", op, what, by, rule)
@@ -859,6 +936,7 @@ class RegistryMachine:
     def _check_holder(self, by: Principal, lease: _Lease, op: str) -> None:
         if not by.owns(lease.holder):
             self._refuse(by, op, f"lease {lease.id}", f"it is held by {lease.holder!r}")
+        self._touch_named(by, lease.holder)
 
     def _number(self, asked: int | None, by: Principal, owner: str) -> int:
         """The number a new version of `owner`'s line gets when `asked` for: the number
@@ -924,10 +1002,14 @@ class RegistryMachine:
             if expires > now or name in self._lapsed:
                 continue
             self._lapsed.add(name)
+            what: list[str] = []
             if self.relays.lapse(name):  # its mirrors are gone with it: readers there choose again
                 ended = True
+                what.append("its relay offers ended")
             for replica in [r for r in self._serving if root(r) == name]:  # it serves nothing now
-                del self._serving[replica]
+                what.append(f"replica {replica!r} stopped serving v{self._serving.pop(replica)}")
+                self._pulls.pop(replica, None)
+                ended = True  # a trainer waiting for its replicas to serve is told now
             for publisher in [p for p in self._reservations if root(p) == name]:  # its slots are gone
                 del self._reservations[publisher]
             why = f"publisher {name!r} lapsed: not heard from for {self.liveness_ttl:g} s"
@@ -938,6 +1020,7 @@ class RegistryMachine:
                     self._move(record, VersionEvent.ABORT)
                     record.reason = why
                     ended = True
+                    what.append(f"aborted v{record.version}")
                 elif record.state is VersionState.READY:
                     self._move(record, VersionEvent.RETIRE)
                     record.reason = f"withdrawn: {why}"
@@ -946,6 +1029,9 @@ class RegistryMachine:
                         line.newest = None
                     log.warning("withdrew v%s: %s", record.version, why)
                     ended = True
+                    what.append(f"withdrew v{record.version}")
+            self._lapses.append((name, expires, tuple(what)))
+            ended = ended or name in self._lines  # a line's waiters are told it lapsed
         if ended:  # readers waiting on an ended stream are told now, not at their long poll's end
             self._changed()
 

@@ -25,6 +25,7 @@ from ..errors import (
     ApplyError,
     InvalidArgumentError,
     PeerGoneError,
+    PublisherLapsedError,
     PullError,
     RegionNotRegisteredError,
     RegistryError,
@@ -32,8 +33,10 @@ from ..errors import (
     TransportError,
     VersionWaitTimeoutError,
     WeightpullError,
+    first_error,
 )
 from ..puller import check_line, line_args
+from ..records import PullReport
 from ..registry import Registry
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,9 @@ class EngineControl(Protocol):
 
     An engine binding implements it (`weightpull.integrations.vllm.VllmEngine` for vLLM);
     tests implement it with a fake. It may also offer `prepare()`, awaited once before the
-    first version (to map reserved slots and size the mirror ahead).
+    first version (to map reserved slots and size the mirror ahead), and `last_pull()`, a
+    `PullReport` of its last prefetch (`Puller.last_pull`) or None, which the agent sends
+    with `report_serving` for the registry's status.
     """
 
     async def prefetch(self, version: int) -> None:
@@ -179,8 +184,8 @@ class UpdateAgent:
         """Keep the replica on a recent version until cancelled.
 
         On an error the agent is marked failed (`failure`; every waiter gets
-        `AgentFailedError`) and the error propagates, so the task group running it, and
-        the job, fail.
+        `AgentFailedError`, or `PublisherLapsedError` when that was the error) and the
+        error propagates, so the task group running it, and the job, fail.
 
         Raises:
             InvalidArgumentError: The agent is already running.
@@ -188,6 +193,8 @@ class UpdateAgent:
                 `RegistryError`, `TransportError`: the last failure).
             ApplyError: `max_apply_failures` applies in a row failed, or one left the
                 engine on no defined weights.
+            PublisherLapsedError: The publisher whose line it follows lapsed (the
+                registry's liveness): no newer version will come from it.
         """
         if self._running:
             raise InvalidArgumentError(f"agent {self.name!r} is already running")
@@ -242,6 +249,15 @@ class UpdateAgent:
         """Wait for the target, or for `wait_for_version` to move it (then None)."""
         self._poke = poke = anyio.Event()
         found: list[int] = []
+        try:
+            await self._race(poke, found)
+        except BaseExceptionGroup as group:  # the wait's own error, as it came: its waiters are told its type
+            if isinstance(lapse := first_error(group), PublisherLapsedError):
+                raise lapse from None
+            raise
+        return found[0] if found else None
+
+    async def _race(self, poke: anyio.Event, found: list[int]) -> None:
         async with anyio.create_task_group() as tg:
 
             async def newest() -> None:
@@ -256,7 +272,6 @@ class UpdateAgent:
 
             tg.start_soon(newest)
             tg.start_soon(poked)
-        return found[0] if found else None
 
     async def _prefetch(self, version: int) -> bool:
         """Mirror `version` while generation goes on. False after a failure that may
@@ -314,7 +329,14 @@ class UpdateAgent:
         self.serving = version
         self._notify()
         log.info("agent %s: serving v%s (paused %.0f ms)", self.name, version, self.stats.pause_s[-1] * 1e3)
-        await self.registry.report_serving(self.name, version)
+        pull = self._last_pull()
+        await self.registry.report_serving(self.name, version, **({} if pull is None else {"pull": pull}))
+
+    def _last_pull(self) -> PullReport | None:
+        """The engine's report of its last prefetch, where it gives one (`last_pull()`)."""
+        last_pull = getattr(self.engine, "last_pull", None)
+        report = last_pull() if callable(last_pull) else None
+        return report if isinstance(report, PullReport) else None
 
     # -- what a trainer's logger takes -----------------------------------------------------
 
@@ -355,6 +377,10 @@ class UpdateAgent:
             self._changed = None
 
     def _check(self) -> None:
+        if isinstance(self.failure, PublisherLapsedError):  # what it waited on is gone: say so, by name
+            raise PublisherLapsedError(
+                f"the update agent of {self.name!r} stopped: {self.failure}", publisher=self.failure.publisher
+            ) from self.failure
         if self.failure is not None:
             raise AgentFailedError(f"the update agent of {self.name!r} failed: {self.failure!r}") from self.failure
 
@@ -368,6 +394,7 @@ class UpdateAgent:
 
         Raises:
             AgentFailedError: The agent has failed, or fails meanwhile (chained to why).
+            PublisherLapsedError: The agent stopped on its publisher's lapse.
         """
         self._check()
         await self._event().wait()
@@ -389,6 +416,8 @@ class UpdateAgent:
         Raises:
             InvalidArgumentError: `version` is not a non-negative int.
             VersionWaitTimeoutError: It was not served within `timeout`.
+            PublisherLapsedError: The publisher the agent follows lapsed (the agent
+                stopped on it), naming it.
             AgentFailedError: The agent has failed, or fails meanwhile.
         """
         if not isinstance(version, int) or version < 0:

@@ -51,6 +51,7 @@ from weightpull.errors import (
     InvalidArgumentError,
     MalformedMessageError,
     MessageTooLargeError,
+    PublisherLapsedError,
     RegistryError,
     RegistryUnavailableError,
     VersionNotFoundError,
@@ -59,7 +60,7 @@ from weightpull.errors import (
 from weightpull.manifest import Manifest
 from weightpull.operations import OperationsClient
 from weightpull.principals import ADMIN, Principal
-from weightpull.records import Lease
+from weightpull.records import Lease, PullReport
 from weightpull.tasks import close_owned
 
 from . import keys as keyfiles
@@ -184,6 +185,7 @@ class ZmqRegistry(OperationsClient):
         self._loose: asyncio.Task[None] | None = None  # a heartbeat outside `async with` (the loop holds tasks weakly)
         self._keepalive = True  # False once a server of an earlier release said it has no such op
         self._release_checked = True  # likewise
+        self._pull_reports = True  # likewise: whether the server takes report_serving's pull
 
     def __repr__(self) -> str:
         return f"ZmqRegistry({self.address!r}, run={self.epoch})"
@@ -284,6 +286,8 @@ class ZmqRegistry(OperationsClient):
     ) -> Manifest:
         try:
             return await super().wait_for_version(min_version, timeout, publisher=publisher)
+        except PublisherLapsedError:  # not the client's timeout: the server's word, as it came
+            raise
         except VersionWaitTimeoutError:
             of = "" if publisher is None else f" of {publisher!r}"
             raise VersionWaitTimeoutError(f"no version{of} >= {min_version} within {timeout} s") from None
@@ -301,14 +305,24 @@ class ZmqRegistry(OperationsClient):
             try:
                 args = op.encode_args({"timeout": left, **values})
                 return op.decode_result(await self._call(name, _attempt_timeout=left + self.timeout, **args))
+            except PublisherLapsedError:  # what it waits on is gone: polling again cannot help
+                raise
             except VersionWaitTimeoutError:
                 if deadline is not None and anyio.current_time() >= deadline:
                     raise
 
     # -- replicas and status -------------------------------------------------------------
 
-    async def report_serving(self, replica: str, version: int) -> None:
-        await super().report_serving(replica, version)
+    async def report_serving(self, replica: str, version: int, *, pull: PullReport | None = None) -> None:
+        if pull is not None and self._pull_reports:
+            try:
+                await super().report_serving(replica, version, pull=pull)
+            except MalformedMessageError as exc:  # a server of an earlier release takes no pull report
+                if "pull" not in str(exc):
+                    raise
+                self._pull_reports = False
+        if pull is None or not self._pull_reports:
+            await super().report_serving(replica, version)
         self._serving[replica] = version
         self._start_heartbeat()  # a replica stays alive, and in `serving`, while it runs
 
