@@ -240,9 +240,10 @@ class NoFreeSlotError(PublishError):
 class SlotWaitTimeoutError(NoFreeSlotError, TimeoutError):
     """The publisher waited its whole bound for a free slot.
 
-    Raised by `Publisher.publish` with `WhenFull.WAIT` after `wait_timeout` seconds
-    without a free slot: readers hold every slot. Fix: more slots, a longer
-    `wait_timeout`, or `WhenFull.SKIP`. Also a `TimeoutError`.
+    Raised by `Publisher.publish` with `WhenFull.WAIT` (or a sharded publish under the
+    default, `WhenFull.WAIT_THEN_SKIP`) after `wait_timeout` seconds without a free
+    slot: readers hold every slot. Fix: more slots, a longer `wait_timeout`, or
+    `WhenFull.WAIT_THEN_SKIP` / `WhenFull.SKIP`. Also a `TimeoutError`.
     """
 
 

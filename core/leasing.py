@@ -29,7 +29,7 @@ from .errors import (
 )
 from .principals import Principal
 from .registry import Lease, Registry, RelayingRegistry, as_streaming
-from .settings import DEFAULT_STALL_TIMEOUT, LeaseSettings
+from .settings import DEFAULT_STALL_TIMEOUT, MIN_TTL_ROUND_TRIPS, LeaseSettings
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT",
@@ -37,6 +37,7 @@ __all__ = [
     "LeaseClient",
     "LeaseSettings",
     "LineArgs",
+    "MIN_TTL_ROUND_TRIPS",
     "Pacer",
     "Renewal",
     "Silence",
@@ -56,6 +57,9 @@ _LEASE_LOST = (LeaseExpiredError, LeaseNotFoundError, InvalidTransitionError)
 # is also assumed before a pull has measured its rate; a clock even faster than the
 # fastest renews more often than it needs to, never too late.
 _RATE_MIN, _RATE_MAX = 1 / 8, 8.0
+# Round trips timed, beside the acquire's own, before a TTL is refused as too short: the
+# least of them is the round trip, so one slow answer does not refuse a good TTL.
+_RTT_PROBES = 3
 
 
 class Pacer:
@@ -335,8 +339,30 @@ class Renewal:
             self.torn(what)
 
     def torn(self, what: str) -> NoReturn:
-        raise TornReadError(f"{self.holder}: the lease on v{self.lease.version} lapsed {what}") from (
+        raise TornReadError(f"{self.holder}: the lease on v{self.lease.version} lapsed {what}{self.cause()}") from (
             self.lost[0] if self.lost else None
+        )
+
+    def cause(self) -> str:
+        """Why the lease lapsed, as far as this reader can tell: for want of a renewal in
+        time (the registry said it expired, or more than its TTL passed since the last
+        grant), whose fix is a longer TTL; or ended by the registry while renewed in
+        time (forgotten by a restart, or released elsewhere), which no TTL fixes."""
+        ttl = self.lease.ttl
+        last = getattr(self.pacer, "last", None)  # (registry stamp, local time asked) of the newest grant
+        since = math.inf if last is None else self.clock.now() - last[1]
+        expired = bool(self.lost) and isinstance(self.lost[0], LeaseExpiredError)
+        if expired or (not self.lost and math.isfinite(ttl) and since >= ttl):
+            passed = "" if last is None else f"{since:.3g} s passed since its last grant, against "
+            return (
+                f"; it lapsed for want of a renewal in time: {passed}"
+                f"its ttl={ttl:g} s (a renewal came too late: a TTL too short for the registry's "
+                f"round trips, or a paused process or event loop). Pass a longer ttl= (the default is 10 s)"
+            )
+        said = f" ({self.lost[0]})" if self.lost else ""
+        return (
+            f"; the registry ended it{said} though it was renewed in time (a registry restarted, or the lease "
+            "released by another reader under the same holder name): a longer ttl would not help"
         )
 
     async def finish(self, what: str) -> None:
@@ -387,6 +413,7 @@ class LeaseClient:
         self.registry, self.settings, self.clock = registry, settings, clock
         self.holder = holder or default_holder(registry)
         self.publisher = check_line(publisher)
+        self.round_trip: float | None = None  # the registry's round trip, once the TTL was checked against it
 
     @property
     def line(self) -> LineArgs:
@@ -416,7 +443,35 @@ class LeaseClient:
             )
         else:
             lease = await self.registry.acquire(version, ttl=ttl, holder=holder, **self.line)
-        return lease, Pacer(self.settings.renew_interval, ttl, lease, sent, self.clock.now())
+        received = self.clock.now()
+        pacer = Pacer(self.settings.renew_interval, ttl, lease, sent, received)
+        if self.round_trip is None:
+            await self._check_ttl(lease, received - sent)
+        return lease, pacer
+
+    async def _check_ttl(self, lease: Lease, first: float) -> None:
+        """At the first acquire: refuse a TTL below `MIN_TTL_ROUND_TRIPS` round trips to
+        the registry (timed on the local clock: the acquire's, and when that one is too
+        slow for the TTL, a few `is_valid` calls, the least of them counting), for its
+        renewals could not reach the registry in time and every read would be torn. The
+        lease just granted is released first."""
+        ttl, samples = self.settings.ttl, [first]
+        while ttl < MIN_TTL_ROUND_TRIPS * min(samples) and len(samples) <= _RTT_PROBES:
+            sent = self.clock.now()
+            await self.registry.is_valid(lease)
+            samples.append(self.clock.now() - sent)
+        rtt = min(samples)
+        if ttl >= MIN_TTL_ROUND_TRIPS * rtt:
+            self.round_trip = rtt
+            return
+        await self.release(lease)
+        least = MIN_TTL_ROUND_TRIPS * rtt
+        raise InvalidArgumentError(
+            f"ttl={ttl:g} s is below {MIN_TTL_ROUND_TRIPS} round trips to the registry (one took {rtt * 1e3:.3g} ms "
+            f"here, the least of {len(samples)}): renewals could not reach it before the lease lapsed, and reads "
+            f"would be torn ('the copy may mix versions'). Pass ttl= of at least {least:.2g} s; the default, 10 s, "
+            "suits any registry that answers within a second"
+        )
 
     async def read(
         self,

@@ -86,7 +86,7 @@ class FlatPublisherArgs(TypedDict, total=False):
 
     num_slots: int
     when_full: WhenFull | str
-    wait_timeout: float
+    wait_timeout: float | None
     poll_interval: float
 
 
@@ -214,7 +214,8 @@ class Publisher:
         self.transport = transport
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
         self.when_full = settings.slots.when_full
-        self.wait_timeout = settings.slots.wait_timeout
+        self.wait_timeout = settings.slots.wait_bound()  # of an unsharded publish, under `when_full`
+        self._sharded_wait = settings.slots.wait_bound(sharded=True)
         self.poll_interval = settings.slots.poll_interval
         self.bucket_bytes = bucket_bytes
         self.align = align
@@ -289,7 +290,8 @@ class Publisher:
         for (the training step, say; None: the next): the registry gives it while it is
         free, else the next free number, and the result says which (the manifest records
         the number asked as `step`). Returns once the version is READY, or skipped (policy
-        SKIP).
+        SKIP, or the default WAIT_THEN_SKIP once `wait_timeout` passed without a free slot:
+        a warning is logged and `publish/skipped` counts it).
 
         A failure once the version was begun (the copy, the tensors' own iterator or
         adapter raising midway, the commit) ends it ABORTED in the registry, with the
@@ -314,7 +316,8 @@ class Publisher:
             PublishError: the publish failed once begun (chained to the cause); the
                 version is ABORTED.
             NoFreeSlotError: every slot is kept (`when_full` FAIL).
-            SlotWaitTimeoutError: no slot freed within `wait_timeout` (`when_full` WAIT).
+            SlotWaitTimeoutError: no slot freed within `wait_timeout` (`when_full` WAIT,
+                or a sharded publish under the default).
             VersionOrderError: `version` does not exceed the last one asked for.
             InvalidArgumentError: no tensors, a malformed `version`, or `shard` with
                 digests or without a `version`.
@@ -352,7 +355,7 @@ class Publisher:
         if not self._adopted:
             await self._adopt()
         try:
-            slot = await self._take_slot(asked)
+            slot = await self._take_slot(asked, sharded=shard is not None)
         except BaseException as exc:
             if shard is not None and asked is not None:
                 await self._abort(asked, repr(exc), tag)
@@ -628,9 +631,13 @@ class Publisher:
         slot.region = region
         return region
 
-    async def _take_slot(self, version: int | None) -> _Slot | None:
+    async def _take_slot(self, version: int | None, *, sharded: bool = False) -> _Slot | None:
         what = "the next version" if version is None else f"v{version}"
-        deadline = self.clock.now() + self.wait_timeout
+        when_full, bound = self.when_full, self.wait_timeout
+        if sharded and when_full is WhenFull.WAIT_THEN_SKIP:  # a shard's skip would abort its siblings' version
+            when_full, bound = WhenFull.WAIT, self._sharded_wait
+        started = self.clock.now()
+        deadline = started + bound
         while True:
             kept: dict[int, str] = {}  # version -> why the registry keeps it (its reclaim's refusal)
             while (index := choose_slot([(s.state, s.version) for s in self.slots], kept)) is not None:
@@ -653,13 +660,26 @@ class Publisher:
                 + ("being written" if s.state is SlotState.WRITING or s.version is None else kept[s.version])
                 for s in sorted(self.slots, key=lambda s: _oldest_first((s.state, s.version)))
             )
-            if self.when_full is WhenFull.SKIP:
+            if when_full is WhenFull.SKIP:
                 log.info("skipping %s: no free slot (%s)", what, detail)
                 return None
-            if self.when_full is WhenFull.FAIL:
+            if when_full is WhenFull.FAIL:
                 raise NoFreeSlotError(f"no free slot for {what}: {detail}")
+            if self.clock.now() >= deadline and when_full is WhenFull.WAIT_THEN_SKIP:
+                # The trainer goes on: a reader that holds its lease longer costs a version, never the trainer's time.
+                log.warning(
+                    "%s: skipping %s after waiting %.3g s for a slot (%s); the next version supersedes it. "
+                    "Readers that hold a version longer than a publish takes need another slot (num_slots=%d), "
+                    "or when_full='wait' to wait for them",
+                    self.name,
+                    what,
+                    self.clock.now() - started,
+                    detail,
+                    len(self.slots) + 1,
+                )
+                return None
             if self.clock.now() >= deadline:
-                raise SlotWaitTimeoutError(f"no slot freed for {what} within {self.wait_timeout} s: {detail}")
+                raise SlotWaitTimeoutError(f"no slot freed for {what} within {bound} s: {detail}")
             await self.clock.sleep(min(self.poll_interval, max(0.0, deadline - self.clock.now())))
 
     async def _digests(self, region: Region, layout: Layout) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ refuses a flat argument that contradicts the settings object given beside it.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +26,17 @@ from .registry import Registry, RelayingRegistry, StreamingRegistry
 from .transport import Region
 
 DEFAULT_STALL_TIMEOUT = 30.0
+# How long a publish waits for a slot before it gives up: under `WhenFull.WAIT` (then
+# `SlotWaitTimeoutError`), and under the default `WhenFull.WAIT_THEN_SKIP` (then it skips
+# the version, with a warning): longer than a reader on the trainer's host takes to finish
+# the version before (an 8B model's 16 GB at 55 GB/s: 0.3 s), short beside a training step.
+DEFAULT_WAIT_TIMEOUT = 60.0
+# A reader's TTL must cover this many round trips to the registry, measured at its first
+# acquire: a renewal is asked a third of the TTL after the last grant, and must land
+# before the TTL ends (so the least would be 1.5), with room for a round trip slower than
+# the least measured.
+MIN_TTL_ROUND_TRIPS = 5
+DEFAULT_SKIP_AFTER = 1.0
 _TORCH_DIGESTER = plugins.Named(plugins.DIGESTERS, "torch")  # an entry point: the core names no integration
 
 # What computes the wsum64 digests of a slot on a device, where it lies: given the slot
@@ -52,12 +64,23 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def non_finite(name: str, value: object, fix: str) -> str | None:
+    """The problem of a number that is not finite (nan, inf), named as such with the
+    argument the user passed; None for any other value (its own range check judges it)."""
+    if not _number(value) or math.isfinite(value):  # type: ignore[arg-type]
+        return None
+    what = "not a number" if math.isnan(value) else "infinite"  # type: ignore[arg-type]
+    return f"{name} must be a finite number of seconds, got {value!r} ({what}): {fix}"
+
+
 @attrs.frozen
 class LeaseSettings:
     """How a reader holds its lease on the version it reads.
 
     Args:
-        ttl: Seconds of the registry's clock a lease lives without a renewal. Positive.
+        ttl: Seconds of the registry's clock a lease lives without a renewal. Positive
+            and finite; at the first acquire, a TTL below `MIN_TTL_ROUND_TRIPS` round
+            trips to the registry is refused (`weightpull.leasing.LeaseClient`).
         renew_every: Seconds of the registry's clock between renewals while a read
             runs; None: a third of `ttl`. Must be in (0, ttl), or every read longer
             than the TTL is torn.
@@ -75,15 +98,26 @@ class LeaseSettings:
 
     def __attrs_post_init__(self) -> None:
         problems = []
-        ttl_ok = _number(self.ttl) and self.ttl > 0
-        if not ttl_ok:
+        # A number that is not finite is named as such, under the name passed: never
+        # blamed on renew_every, which a TTL's third makes when it is not given.
+        ttl_bad = non_finite("ttl", self.ttl, "pass the lease's lifetime in seconds (default 10)")
+        stall_bad = non_finite("stall_timeout", self.stall_timeout, "pass None to wait forever")
+        renew_bad = non_finite("renew_every", self.renew_every, "leave it None (a third of ttl)")
+        ttl_ok = ttl_bad is None and _number(self.ttl) and self.ttl > 0
+        if ttl_bad is not None:
+            problems.append(ttl_bad)
+        elif not ttl_ok:
             problems.append(f"ttl must be positive, got {self.ttl!r}: pass the lease's lifetime in seconds")
-        if self.stall_timeout is not None and not (_number(self.stall_timeout) and self.stall_timeout > 0):
+        if stall_bad is not None:
+            problems.append(stall_bad)
+        elif self.stall_timeout is not None and not (_number(self.stall_timeout) and self.stall_timeout > 0):
             problems.append(
                 f"stall_timeout must be positive or None, got {self.stall_timeout!r}: "
                 "pass the seconds a read may go without progress, or None to wait forever"
             )
-        if self.renew_every is not None and not _number(self.renew_every):
+        if renew_bad is not None:
+            problems.append(renew_bad)
+        elif self.renew_every is not None and not _number(self.renew_every):
             problems.append(f"renew_every must be a number of seconds or None, got {self.renew_every!r}")
         elif ttl_ok and not 0 < self.renew_interval < self.ttl:  # else every read longer than the TTL is torn
             problems.append(
@@ -198,11 +232,18 @@ class PullerSettings:
 
 
 class WhenFull(enum.Enum):
-    """What `publish` does when every slot holds a leased or newest version."""
+    """What `publish` does when every slot holds a leased or newest version.
 
-    WAIT = "wait"  # poll until a slot frees, at most `wait_timeout`, then SlotWaitTimeoutError
+    The default, WAIT_THEN_SKIP, keeps the promise that the trainer never waits for the
+    slowest replica: a publish waits for a slot at most `wait_timeout` (1 s unless
+    given), then skips its version with a warning, counted in `publish/skipped`; it never
+    raises for want of a slot. A sharded publish waits as WAIT does instead, since one
+    shard's skip aborts the version for its siblings."""
+
+    WAIT = "wait"  # poll until a slot frees, at most `wait_timeout` (60 s unless given), then SlotWaitTimeoutError
     SKIP = "skip"  # publish nothing; the next version supersedes this one
     FAIL = "fail"  # raise NoFreeSlotError at once
+    WAIT_THEN_SKIP = "wait_then_skip"  # poll as WAIT, at most `wait_timeout` (1 s unless given), then skip
 
 
 def _when_full(value: object) -> object:
@@ -219,19 +260,22 @@ class SlotSettings:
     Args:
         num_slots: Slots to write versions into; at least 2 (one always holds the
             newest READY version).
-        when_full: `WhenFull` (or its value: "wait", "skip", "fail") when every slot
-            holds a leased or the newest version.
-        wait_timeout: With WAIT, seconds to wait for a slot before
-            `SlotWaitTimeoutError`; >= 0.
-        poll_interval: Seconds between looks for a free slot while waiting; > 0.
+        when_full: `WhenFull` (or its value: "wait_then_skip", "wait", "skip", "fail")
+            when every slot holds a leased or the newest version; the default waits at
+            most `wait_timeout`, then skips the version with a warning.
+        wait_timeout: Seconds to wait for a slot, with WAIT_THEN_SKIP (then skip) or
+            WAIT (then `SlotWaitTimeoutError`); finite, >= 0. None: 1 s with
+            WAIT_THEN_SKIP (`DEFAULT_SKIP_AFTER`), 60 s with WAIT or a sharded publish
+            (`DEFAULT_WAIT_TIMEOUT`).
+        poll_interval: Seconds between looks for a free slot while waiting; finite, > 0.
 
     Raises:
         InvalidArgumentError: naming each argument that is wrong, and the fix.
     """
 
     num_slots: int = 2
-    when_full: WhenFull = attrs.field(default=WhenFull.WAIT, converter=_when_full)
-    wait_timeout: float = 60.0
+    when_full: WhenFull = attrs.field(default=WhenFull.WAIT_THEN_SKIP, converter=_when_full)
+    wait_timeout: float | None = None
     poll_interval: float = 0.05
 
     def __attrs_post_init__(self) -> None:
@@ -241,12 +285,28 @@ class SlotSettings:
                 f"num_slots must be an int >= 2 (one always holds the newest READY version), got {self.num_slots!r}"
             )
         if not isinstance(self.when_full, WhenFull):
-            problems.append(f"when_full must be one of wait, skip, fail; got {self.when_full!r}")
-        if not (_number(self.wait_timeout) and self.wait_timeout >= 0):
-            problems.append(f"wait_timeout must be >= 0 seconds, got {self.wait_timeout!r}")
-        if not (_number(self.poll_interval) and self.poll_interval > 0):
+            names = ", ".join(w.value for w in WhenFull)
+            problems.append(f"when_full must be one of {names}; got {self.when_full!r}")
+        wait_bad = non_finite("wait_timeout", self.wait_timeout, "a publish must not wait forever: pass a bound")
+        poll_bad = non_finite("poll_interval", self.poll_interval, "pass the seconds between looks for a slot")
+        if wait_bad is not None:
+            problems.append(wait_bad)
+        elif self.wait_timeout is not None and not (_number(self.wait_timeout) and self.wait_timeout >= 0):
+            problems.append(f"wait_timeout must be >= 0 seconds or None, got {self.wait_timeout!r}")
+        if poll_bad is not None:
+            problems.append(poll_bad)
+        elif not (_number(self.poll_interval) and self.poll_interval > 0):
             problems.append(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
         refuse(problems, "SlotSettings")
+
+    def wait_bound(self, *, sharded: bool = False) -> float:
+        """The seconds a publish waits for a slot at most: `wait_timeout`, or the
+        default of `when_full` (a sharded publish waits as WAIT does)."""
+        if self.wait_timeout is not None:
+            return self.wait_timeout
+        if self.when_full is WhenFull.WAIT_THEN_SKIP and not sharded:
+            return DEFAULT_SKIP_AFTER
+        return DEFAULT_WAIT_TIMEOUT
 
 
 @attrs.frozen

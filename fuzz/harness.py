@@ -813,7 +813,9 @@ class World:
             self.model.committed(given, publisher.name, outcome.slot)
         elif isinstance(outcome, PublishResult):
             assert given is None, f"a skipped publish began v{given}"
-            assert when_full is WhenFull.SKIP and full, f"skipped with slots {free} free"
+            assert when_full in (WhenFull.SKIP, WhenFull.WAIT_THEN_SKIP) and full, f"skipped with slots {free} free"
+            if when_full is WhenFull.WAIT_THEN_SKIP:  # skipped only once its bound passed
+                assert abs(waited - WAIT_TIMEOUT) <= EPS, f"skipped after {waited} s, not its {WAIT_TIMEOUT} s bound"
         elif isinstance(outcome, SlotWaitTimeoutError):
             assert given is None, f"{outcome!r}, but v{given} was begun"
             assert when_full is WhenFull.WAIT and full, f"{outcome!r} with slots {free} free"

@@ -51,7 +51,7 @@ async def test_publisher_metrics_name_the_last_publish_and_count_outcomes(world)
 
 
 async def test_publisher_block_seconds_include_the_wait_for_a_slot(world):
-    pub = world.publisher()
+    pub = world.publisher(when_full="wait")  # waits out the lease (the default skips after 1 s)
     await pub.publish(1, host_tensors(1))
     await pub.publish(2, host_tensors(2))
     await world.registry.acquire(2, ttl=7, holder="r")

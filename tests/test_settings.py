@@ -105,7 +105,7 @@ def test_every_rule_a_puller_breaks_is_named_at_once(world):
         ({"num_slots": 1}, "num_slots must be an int >= 2"),
         ({"num_slots": 2.0}, "num_slots must be an int >= 2"),
         ({"num_slots": True}, "num_slots must be an int >= 2"),
-        ({"when_full": "later"}, "when_full must be one of wait, skip, fail; got 'later'"),
+        ({"when_full": "later"}, "when_full must be one of wait, skip, fail, wait_then_skip; got 'later'"),
         ({"wait_timeout": -1.0}, "wait_timeout must be >= 0"),
         ({"poll_interval": 0.0}, "poll_interval must be > 0"),
     ],
