@@ -126,6 +126,7 @@ class Probe:
     offset_s: float | None = None  # its wall clock minus this host's
     span_s: float = 0.0
     error: BaseException | None = None
+    timeout: float = 0.0  # what it was given to answer
 
 
 def registry_address(text: str) -> str:
@@ -170,6 +171,14 @@ def check_keys(choice: KeyChoice, probe: Probe | None = None) -> Result:
         if refused:
             assert probe is not None
             return Result("keys", FAIL, f"no key (--key, $WEIGHTPULL_KEY): {probe.error}", _make_key_fix())
+        if os.environ.get("WEIGHTPULL_SECRET"):
+            return Result(
+                "keys",
+                WARN,
+                "no key given (--key or $WEIGHTPULL_KEY): the client uses $WEIGHTPULL_SECRET, a shared secret "
+                "that is deprecated and goes in a later release",
+                _make_key_fix(),
+            )
         return Result(
             "keys",
             SKIP,
@@ -224,21 +233,21 @@ def check_keys(choice: KeyChoice, probe: Probe | None = None) -> Result:
             data,
         )
     if probe is None:
-        return Result("keys", OK, f"{who} ({where}); pass --registry to ask the server whether it knows it", data=data)
+        return Result("keys", OK, f"{who}, {where}; pass --registry to ask the server whether it knows it", data=data)
     if refused:
         message = str(probe.error)
         if "refused the key" in message:
             return Result(
                 "keys",
                 FAIL,
-                f"{who} ({where}) is unknown to the server at {probe.address}, or was revoked there",
+                f"{who}, {where} is unknown to the server at {probe.address}, or was revoked there",
                 f"its operator adds {cert.name}{keys.PUBLIC_SUFFIX} to the server's --keys directory",
                 data,
             )
-        return Result("keys", FAIL, f"{who} ({where}): {message}", "", data)
+        return Result("keys", FAIL, f"{who}, {where}: {message}", "", data)
     if probe.error is not None:
-        return Result("keys", SKIP, f"{who} ({where}); not asked of the server: it did not answer", data=data)
-    return Result("keys", OK, f"{who} ({where}), known to the server at {probe.address}", data=data)
+        return Result("keys", SKIP, f"{who}, {where}; not asked of the server: it did not answer", data=data)
+    return Result("keys", OK, f"{who}, {where}, known to the server at {probe.address}", data=data)
 
 
 def _make_key_fix() -> str:
@@ -289,7 +298,7 @@ def probe_registry(address: str, choice: KeyChoice, *, timeout: float = 2.0, spa
             await reg.ping()
             last = stamps[-1]
         except WeightpullError as exc:
-            return Probe(address, error=exc)
+            return Probe(address, error=exc, timeout=timeout)
         finally:
             await reg.aclose()
         rtt = min(first[1] - first[0], last[1] - last[0])
@@ -336,7 +345,7 @@ def check_registry(address: str | None, probe: Probe | None) -> Result:
         return Result(
             "registry",
             FAIL,
-            f"no answer from {address}: {exc}",
+            f"no answer from {address} within {probe.timeout:g} s",
             "is `weightpull registry serve` running there? Start it, or check the address, the port and the "
             "firewall between the hosts",
         )

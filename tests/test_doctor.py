@@ -103,6 +103,13 @@ def test_no_key_to_a_registry_that_takes_keys_fails(keyed, capsys):
     assert status == 1 and got["keys"]["status"] == "fail" and "takes keys" in got["keys"]["found"]
 
 
+def test_no_key_is_a_skip_and_the_deprecated_secret_a_warning(monkeypatch):
+    assert doctor.check_keys(doctor.KeyChoice.of()).status == "skip"
+    monkeypatch.setenv("WEIGHTPULL_SECRET", "s")
+    warned = doctor.check_keys(doctor.KeyChoice.of())
+    assert warned.status == "warn" and "deprecated" in warned.found and "keys new" in warned.fix
+
+
 def test_a_public_key_a_server_key_and_a_missing_file_are_refused_as_keys(keyed, capsys, tmp_path):
     server_key = str(keyed.keys / "registry.key")
     cases = [
