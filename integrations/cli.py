@@ -545,13 +545,15 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
     """(title, header, rows) of each table `status` shows, plain or live: each publisher's
     newest version (its state, age and how long its liveness has left), every version with
     the reason it was aborted or withdrawn (and, streaming, the buckets committed so far),
-    the live leases, what each replica serves, each relay's offer (the buckets its mirror holds of the version's, the leases reading
-    from it of its cap) and each principal's liveness (how long until the registry takes it
-    for dead)."""
+    the live leases, what each replica serves (and its last pull: when, GB/s, from which
+    source), each relay's offer (the buckets its mirror holds of the version's, the leases reading
+    from it of its cap), each principal's liveness (how long until the registry takes it
+    for dead) and the principals that lapsed lately (and what that ended)."""
     versions = [
         [
             f"v{v.version}",
             str(v.state) if v.committed is None else f"{v.state} ({v.committed} buckets committed)",
+            "-" if v.step is None else str(v.step),
             v.publisher,
             str(v.slot),
             _size(v.nbytes),
@@ -562,7 +564,9 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
         for v in status.versions
     ]
     leases = [[x.holder, f"v{x.version}", x.source or "slot", f"{x.expires_in:.1f} s", x.id] for x in status.leases]
-    serving = [[replica, f"v{version}"] for replica, version in sorted(status.serving.items())]
+    serving = [
+        [replica, f"v{version}", *_last_pull(status, replica)] for replica, version in sorted(status.serving.items())
+    ]
     newest = {v.publisher: v for v in sorted(status.versions, key=lambda v: v.version)}
     alive = status.alive
 
@@ -574,18 +578,44 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
         [name, f"v{v.version}", str(v.state), f"{v.age:.1f} s", liveness(name)] for name, v in sorted(newest.items())
     ]
     principals = [[name, f"{left:.1f} s" if left > 0 else "LAPSED"] for name, left in sorted(alive.items())]
+    lapsed = [[x.name, f"{x.ago:.1f} s ago", ", ".join(x.ended) or "-"] for x in status.lapsed]
     relays = [
         [f"v{o.version}", o.holder, o.host, f"{o.landed}/{o.buckets}", f"{o.leases}/{'-' if o.cap is None else o.cap}"]
         for o in status.offers
     ]
     return [
         ("publishers", ["PUBLISHER", "NEWEST", "STATE", "AGE", "ALIVE"], publishers),
-        ("versions", ["VERSION", "STATE", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
+        ("versions", ["VERSION", "STATE", "STEP", "PUBLISHER", "SLOT", "SIZE", "AGE", "LEASES", "REASON"], versions),
         ("leases", ["HOLDER", "VERSION", "SOURCE", "EXPIRES IN", "LEASE"], leases),
-        ("serving", ["REPLICA", "VERSION"], serving),
+        ("serving", ["REPLICA", "VERSION", "LAST PULL", "GB/S", "SOURCE"], serving),
         ("relays", ["VERSION", "RELAY", "HOST", "BUCKETS HELD", "LEASES/CAP"], relays),
         ("liveness", ["PRINCIPAL", "ALIVE FOR"], principals),
+        ("lapsed lately", ["PRINCIPAL", "LAPSED", "ENDED"], lapsed),
     ]
+
+
+def _last_pull(status: Any, replica: str) -> list[str]:
+    """A replica's last pull as the status tables show it: when, GB/s, from which source."""
+    pull = status.pulls.get(replica)
+    if pull is None:
+        return ["-", "-", "-"]
+    return [f"v{pull.version} {pull.ago:.1f} s ago", f"{pull.gbps:.2f}", pull.source or "slot"]
+
+
+def _status_compact(address: str, run: str, status: Any) -> str:
+    """The status in a line per replica (its version, last pull) and per recent lapse."""
+    lines = [_status_title(address, run, status)]
+    for replica, version in sorted(status.serving.items()):
+        pull = status.pulls.get(replica)
+        how = "" if pull is None else f"; pulled v{pull.version} {pull.ago:.1f} s ago at {pull.gbps:.2f} GB/s"
+        source = "" if pull is None else f" from {pull.source or 'slot'}"
+        lines.append(f"  {replica}: serving v{version}{how}{source}")
+    if not status.serving:
+        lines.append("  (no replica serving)")
+    for lapse in status.lapsed:
+        ended = f": {', '.join(lapse.ended)}" if lapse.ended else ""
+        lines.append(f"  LAPSED {lapse.name} {lapse.ago:.1f} s ago{ended}")
+    return "\n".join(lines)
 
 
 def _status_title(address: str, run: str, status: Any) -> str:
@@ -605,6 +635,8 @@ def _status(args: argparse.Namespace) -> int:
 
     if args.watch and args.json:
         raise UsageError("--watch draws a live table and --json prints one object: pass one")
+    if args.compact and args.json:
+        raise UsageError("--compact prints a line per replica and --json prints one object: pass one")
     try:
         address = _status_address(args)
     except ImportError as exc:
@@ -628,7 +660,10 @@ def _status(args: argparse.Namespace) -> int:
         return _status_watch(args, address, read)
 
     def show(status: Any, run: str) -> None:
-        print(json.dumps(_status_json(address, run, status)) if args.json else _status_text(address, run, status))
+        if args.json:
+            print(json.dumps(_status_json(address, run, status)))
+        else:
+            print((_status_compact if args.compact else _status_text)(address, run, status))
 
     anyio.run(read, show)
     return 0
@@ -657,21 +692,24 @@ def _status_watch(args: argparse.Namespace, address: str, read: Any) -> int:
         from rich.console import Console, Group
         from rich.live import Live
         from rich.table import Table
+        from rich.text import Text
     except ImportError as exc:
         raise _needs("service", "status --watch", exc) from None
 
     def view(status: Any, run: str) -> Group:
+        note = f"refreshed every {args.watch:g} s; Ctrl-C stops"
+        if args.compact:
+            return Group(Text(_status_compact(address, run, status)), note)
         tables = []
         for title, header, rows in _status_sections(status):
             table = Table(*header, title=title, title_justify="left", expand=False)
             for row in rows:
                 table.add_row(*row)
             tables.append(table)
-        note = f"refreshed every {args.watch:g} s; Ctrl-C stops"
         return Group(_status_title(address, run, status), *tables, note)
 
     def plain(status: Any, run: str) -> None:  # not a terminal: a block per read, for a log
-        print(_status_text(address, run, status) + "\n", flush=True)
+        print((_status_compact if args.compact else _status_text)(address, run, status) + "\n", flush=True)
 
     console = Console()
     try:
@@ -1081,10 +1119,12 @@ def parser() -> argparse.ArgumentParser:
         "status",
         help="a served registry's publishers, versions, live leases, what each replica serves, relays and who is alive",
         description="Read a served registry's publishers (each one's newest version, its state, "
-        "age and liveness), versions (with the reason one was aborted or withdrawn), live leases, "
-        "the version each replica reports serving, each relay's offer (its host, the buckets its "
-        "mirror holds of the version's, the leases reading from it of its cap), and how long each "
-        "principal's liveness has left before the registry takes it for dead.",
+        "age and liveness), versions (with the step their publisher gave and the reason one was "
+        "aborted or withdrawn), live leases, the version each replica reports serving (and its last "
+        "pull: when, GB/s, from which source), each relay's offer (its host, the buckets its "
+        "mirror holds of the version's, the leases reading from it of its cap), how long each "
+        "principal's liveness has left before the registry takes it for dead, and the principals "
+        "that lapsed in the last 10 minutes (and what that ended).",
     )
     status.add_argument(
         "--registry",
@@ -1103,6 +1143,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="read again every SECONDS (default: 2) until Ctrl-C: a live table on a terminal (rich, "
         "in the service extra), else a block per read",
+    )
+    status.add_argument(
+        "--compact",
+        action="store_true",
+        help="a line per replica (its version and last pull) and per recent lapse, instead of the tables",
     )
     status.add_argument("--json", action="store_true", help="print the status (or the error) as one JSON object")
     status.set_defaults(func=_status)
