@@ -614,6 +614,18 @@ def read_transports(log: str) -> list[dict[str, str]]:
     return out
 
 
+def _allocate(transport: Any, nbytes: int, device: str) -> Any:
+    try:
+        return transport.allocate(nbytes, device)
+    except WeightpullError:
+        raise
+    except Exception as exc:  # torch's, for a device this host lacks
+        raise InvalidArgumentError(
+            f"cannot allocate {nbytes} bytes of {device} memory ({type(exc).__name__}: {exc}): --device cuda needs "
+            "torch with CUDA and a GPU on this host; leave --device out to read host memory"
+        ) from None
+
+
 def _fill(region: Any, device: str) -> int:
     """Fill the region with a pattern; its CRC-32."""
     block = os.urandom(4096)
@@ -653,7 +665,7 @@ async def listen(
 
     host, port = peer_address(bind, "0.0.0.0")
     transport: Any = create_transport("nixl")
-    region = transport.allocate(nbytes, device)
+    region = _allocate(transport, nbytes, device)
     crc = _fill(region, device)
     hello = {
         "descriptor": transport.export(region).decode(),
@@ -732,7 +744,7 @@ async def _read(hello: dict[str, Any], device: str, reads: int) -> dict[str, Any
     transport: Any = create_transport("nixl")
     remote = transport.connect(str(hello["descriptor"]).encode())
     nbytes = int(hello["nbytes"])
-    local = transport.allocate(nbytes, device)
+    local = _allocate(transport, nbytes, device)
     started = time.perf_counter()
     await transport.read(remote, 0, local, 0, nbytes)
     first = time.perf_counter() - started
@@ -793,15 +805,21 @@ def check_transport(
         listener: subprocess.Popen[str] | None = None
         try:
             if peer is None:
-                listener = subprocess.Popen(
-                    _python("listen", "127.0.0.1:0", str(nbytes), device, str(limit)),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                )
+                errors = Path(tmp) / "listener.err"
+                with open(errors, "w") as err:
+                    listener = subprocess.Popen(
+                        _python("listen", "127.0.0.1:0", str(nbytes), device, str(limit)),
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                    )
                 ready = _line_within(listener, deadline)
                 if ready is None:
-                    return Result("transport", FAIL, "the loopback listener did not start", "run with -v, or report it")
+                    tail = (errors.read_text(errors="replace").strip().splitlines() or [""])[-1]
+                    fix = "" if "cannot allocate" in tail else "report it, with the message"
+                    return Result(
+                        "transport", FAIL, f"the loopback listener did not start: {tail or 'no message'}", fix
+                    )
                 peer = str(json.loads(ready)["listening"])
             host, port = peer_address(peer)
             env = {
@@ -1036,6 +1054,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "doctor",
@@ -1079,7 +1103,10 @@ def add_parser(sub: Any) -> None:
         "--read-size", type=_nbytes, default=64 * MiB, metavar="BYTES", help="the buffer --listen serves (default: 64M)"
     )
     p.add_argument(
-        "--device", default="cpu", help="the buffers' memory, cpu or cuda[:N] (CUDA IPC shows for GPU memory)"
+        "--device",
+        type=_device,
+        default="cpu",
+        help="the buffers' memory, cpu or cuda[:N] (CUDA IPC shows for GPU memory)",
     )
     p.add_argument(
         "--model-bytes",
@@ -1156,6 +1183,14 @@ def _child(argv: list[str]) -> int:
     """The processes `check_transport` starts: `listen ADDR NBYTES DEVICE SECONDS` (prints
     its ready line, serves one reader) and `read HOST:PORT DEVICE TIMEOUT` (prints its
     result as the last line)."""
+    try:
+        return _child_run(argv)
+    except WeightpullError as exc:  # its last line of stderr is what the check's line shows
+        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+        return 1
+
+
+def _child_run(argv: list[str]) -> int:
     if argv[0] == "listen":
         bind, nbytes, device, seconds = argv[1], int(argv[2]), argv[3], float(argv[4])
         anyio.run(

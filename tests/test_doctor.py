@@ -163,6 +163,8 @@ def test_an_unreachable_peer_fails_with_the_fix(capsys):
 def test_a_malformed_peer_is_a_usage_error(capsys):
     assert main(["doctor", "--peer", "host:port"]) == 2
     assert "is not HOST:PORT" in capsys.readouterr().err
+    assert main(["doctor", "--device", "gpu"]) == 2
+    assert "'gpu' is not cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
 def test_the_loopback_read_through_the_command_names_cma_and_its_speed():
