@@ -7,11 +7,21 @@ import math
 import anyio
 import pytest
 
-from weightpull import InvalidArgumentError, LeaseSettings, Puller, TornReadError
+from weightpull import (
+    HostTensor,
+    InvalidArgumentError,
+    LeaseSettings,
+    Publisher,
+    Puller,
+    TornReadError,
+    create_transport,
+)
 from weightpull.drivers.faulty import Faults, FaultyTransport
+from weightpull.drivers.zmq_registry.client import ZmqRegistry
 from weightpull.settings import MIN_TTL_ROUND_TRIPS, SlotSettings
 
 from .conftest import autojump, host_tensors
+from .served import ServedRegistry
 
 pytestmark = pytest.mark.anyio
 
@@ -149,3 +159,24 @@ async def test_a_torn_read_whose_lease_the_registry_ended_says_a_longer_ttl_woul
     message = str(info.value)
     assert "the registry ended it" in message and "though it was renewed in time" in message
     assert "a longer ttl would not help" in message and "for want of a renewal" not in message
+
+
+async def test_a_served_registry_refuses_the_ttl_of_issue_31_with_its_round_trip(tmp_path):
+    """The user's case: `Puller(ttl=0.001)` over a served registry, whose round trip on
+    loopback (0.5-0.8 ms measured here) makes a 1 ms lease lapse between renewals. A TTL
+    of 10 us is below 5 round trips on any machine."""
+    served = ServedRegistry(tmp_path, secret=None)  # --insecure-dev
+    served.start()
+    try:
+        registry = ZmqRegistry(served.address)
+        publisher = Publisher(registry, create_transport("fake"), rollout_dtype=None)
+        await publisher.publish(1, {"w": HostTensor("uint8", (64,), bytes(64))})
+        with pytest.raises(
+            InvalidArgumentError, match=r"ttl=1e-05 s is below 5 round trips to the registry \(one took [\d.]+ ms"
+        ):
+            await Puller(registry, create_transport("fake"), ttl=1e-5).pull()
+        assert not (await registry.status()).leases  # released before it was refused
+        assert (await Puller(registry, create_transport("fake")).pull()).version == 1  # the default passes
+        await registry.aclose()
+    finally:
+        served.stop()
