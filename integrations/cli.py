@@ -269,6 +269,11 @@ def _keys(args: argparse.Namespace) -> int:
                 else "the client's --key ($WEIGHTPULL_KEY); the public one goes in the server's --keys directory"
             )
             print(f"  the secret file is {give}")
+            if args.name.endswith("*"):  # a prefix key
+                print(
+                    f"  each replica acts under a name of its own after {args.name[:-1]!r} "
+                    f"(${keys.NAME_ENV}={args.name[:-1]}7, or name=); it may not publish"
+                )
         return 0
     if args.keys_command == "revoke":
         moved = keys.revoke(args.dir, args.name)
@@ -895,7 +900,8 @@ def _key_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="this client's secret certificate, NAME.key_secret from `weightpull keys new`; the client "
         "acts as the principal it names (default: $WEIGHTPULL_KEY; without one, no key: a server in "
-        "--insecure-dev mode takes it as admin)",
+        "--insecure-dev mode takes it as admin). A prefix key's client acts under $WEIGHTPULL_NAME "
+        "(else the prefix and 8 random hex digits)",
     )
     p.add_argument(
         "--server-key",
@@ -932,7 +938,10 @@ def _keys_parser(sub: Any) -> None:
         "--name",
         required=True,
         help="its name: 1-64 letters, digits, '.', '_' or '-'; a publisher writes versions under it, "
-        "a reader holds leases and reports serving under it (and under NAME/...)",
+        "a reader holds leases and reports serving under it (and under NAME/...). A reader's may be a "
+        "prefix, 'PREFIX*' (quote it): one key for a group of replicas, each acting under a name of its own "
+        "that extends the prefix (rollout-7 of 'rollout-*', picked with $WEIGHTPULL_NAME or name=); its files "
+        "are PREFIX+.key and PREFIX+.key_secret",
     )
     new.add_argument("--dir", default=".", help="where the files go (default: the current directory)")
     new.add_argument("--json", action="store_true", help="print the paths as one JSON object")
@@ -951,7 +960,7 @@ def _keys_parser(sub: Any) -> None:
         "server serving DIR with --keys refuses the key from its next request on, including on "
         "connections made before.",
     )
-    revoke.add_argument("--name", required=True, help="the principal's name")
+    revoke.add_argument("--name", required=True, help="the principal's name (a prefix as given: 'rollout-*')")
     revoke.add_argument("--dir", default=".", help="the keys directory (default: the current directory)")
     revoke.add_argument("--json", action="store_true", help="print what moved as one JSON object")
     for p in (new, listing, revoke):
@@ -1175,7 +1184,7 @@ def _report(exc: BaseException, as_json: bool) -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message
     if isinstance(exc, ImportError) and not isinstance(exc, DriverUnavailableError):
         message += " (an optional dependency is missing: the README's extras say which one brings it)"
-    if isinstance(exc, RegistryUnavailableError):
+    if isinstance(exc, RegistryUnavailableError) and "running there?" not in message:  # the library's says it
         message += (
             ": is `weightpull registry serve` running there? Start it, or pass --registry ADDRESS or "
             "set $WEIGHTPULL_REGISTRY to reach another one"

@@ -6,7 +6,10 @@ flight, so concurrent calls never wait on each other's replies. An attempt that 
 reply within `timeout` closes its socket (so a late reply cannot reach the next call)
 and is sent again on a fresh one: same request id, fresh nonce; the server answers a
 retried request from its reply cache rather than running it twice. After `retry_for`
-seconds without an answer the call raises `RegistryUnavailableError`.
+seconds without an answer the call raises `RegistryUnavailableError`; until the server
+has answered once, after `connect_timeout` seconds (5): an address where nothing
+listens is told within seconds, not after the retries meant for a restart, and the
+error asks whether `weightpull registry serve` runs there.
 
 Restart: the server keeps no state across runs, and every reply names its run epoch.
 On a new one this client replays what it told the old run and still stands by (each
@@ -19,8 +22,12 @@ names it stands by), which keeps them alive at the registry and makes the replay
 happen within about a second of a restart even while the trainer is between publishes.
 
 Who it is: with a key (`key=`, else `$WEIGHTPULL_KEY`: its secret certificate, and
-`server_key=`, else `$WEIGHTPULL_SERVER_KEY`: the server's public one) it speaks CURVE and
-acts as the principal its certificate names (`.principal`). Without one it speaks
+`server_key=`, else `$WEIGHTPULL_SERVER_KEY`: the server's public one, never a secret
+one) it speaks CURVE and acts as the principal its certificate names (`.principal`); a
+key's errors name the variable its path came from. A reader key for a prefix
+(`rollout-*`) acts under the name `name=` gives (else `$WEIGHTPULL_NAME`, else the
+prefix and 8 random hex digits), which must extend the prefix: `.principal` is then
+`reader rollout-7`, and its pullers' holder names go below it. Without one it speaks
 plainly to a development server, as admin; `secret=` (or `$WEIGHTPULL_SECRET`) is the
 deprecated HMAC mode, as admin too. A handshake the server refuses is silent in ZeroMQ:
 each new socket watches its monitor until its handshake succeeds, and a failure raises
@@ -34,6 +41,7 @@ with`, the heartbeat is a task of the event loop that `aclose` or the loop's end
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import uuid
@@ -77,6 +85,14 @@ def _shard(shard: tuple[int, int] | None) -> dict[str, Any]:
 
 
 _NO_DETAIL_LIMIT = 2  # handshakes failed without detail before the server key is blamed
+# The deadline of the call an attempt belongs to, on the loop's clock: a handshake not done by
+# then ends the attempt (a context variable, so that `_exchange` keeps its signature for subclasses).
+_HANDSHAKE_BY: contextvars.ContextVar[float | None] = contextvars.ContextVar("_HANDSHAKE_BY", default=None)
+DEFAULT_CONNECT_TIMEOUT = 5.0  # seconds the first call waits for a server that never answered
+UNREACHABLE_HINT = (
+    "is `weightpull registry serve` running there? Start it, or pass --registry ADDRESS or set "
+    "$WEIGHTPULL_REGISTRY to reach another one (in code, connect_registry(ADDRESS))"
+)
 
 
 class _Conn:
@@ -124,32 +140,53 @@ class ZmqRegistry(OperationsClient):
         wait_poll: float = 10.0,
         heartbeat: float | None = 1.0,
         max_message: int = wire.MAX_MESSAGE,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
+        name: str | None = None,
     ) -> None:
+        """`connect_timeout`: how long a call waits for a server that has not answered this
+        client yet before `RegistryUnavailableError` (None: `retry_for`, as for a server
+        that answered before; pass a longer one where clients start before their server).
+        `name`: the name a prefix key (`reader rollout-*`) acts under (default
+        `$WEIGHTPULL_NAME`, else the prefix and 8 random hex digits)."""
         if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
             raise InvalidArgumentError(f"a registry address looks like tcp://HOST:PORT, got {address!r}")
-        if timeout <= 0 or retry_for < 0 or wait_poll <= 0:
-            raise InvalidArgumentError("timeout and wait_poll must be positive, retry_for non-negative")
+        if timeout <= 0 or retry_for < 0 or wait_poll <= 0 or (connect_timeout is not None and connect_timeout <= 0):
+            raise InvalidArgumentError(
+                "timeout, wait_poll and connect_timeout must be positive (connect_timeout None: retry_for), "
+                "retry_for non-negative"
+            )
         self.address = address
         self._cert: keyfiles.Certificate | None = None
         self._server: keyfiles.Certificate | None = None
+        self._key_source: str | None = None  # where the key's path came from, when not key=
         if key is None and secret is None:
             key = os.environ.get(keyfiles.KEY_ENV) or None
+            self._key_source = f"${keyfiles.KEY_ENV}" if key is not None else None
             secret = None if key is not None else wire.load_secret()
         if key is not None and secret is not None:
             raise InvalidArgumentError("pass a key or a secret (deprecated), not both")
         if key is not None:
-            self._cert = keyfiles.load_secret_cert(key)
-            server_key = server_key or os.environ.get(keyfiles.SERVER_KEY_ENV) or None
+            self._cert = keyfiles.load_secret_cert(key, source=self._key_source)
+            if self._cert.role == "server":
+                raise InvalidArgumentError(
+                    f"{keyfiles.named(self._cert.path, self._key_source)} is the server's own key, not a client's: "
+                    "pass this client's NAME.key_secret (`weightpull keys new --role reader|publisher|admin`)"
+                )
+            server_source = None
+            if not server_key:
+                server_key = os.environ.get(keyfiles.SERVER_KEY_ENV) or None
+                server_source = f"${keyfiles.SERVER_KEY_ENV}"
             if server_key is None:
                 raise InvalidArgumentError(
                     f"a client with a key also needs the server's public key: pass server_key= (--server-key) "
                     f"or set ${keyfiles.SERVER_KEY_ENV} to the server's .key file"
                 )
-            self._server = keyfiles.load(server_key)
+            self._server = keyfiles.load_public_cert(server_key, source=server_source)
             if self._server.role != "server":
                 raise InvalidArgumentError(
-                    f"{str(server_key)!r} is the key of {self._server.role} {self._server.name}, not a server's: "
-                    "pass the public .key file of the pair `registry serve --server-key` was given"
+                    f"{keyfiles.named(self._server.path, server_source)} is the key of {self._server.role} "
+                    f"{self._server.name}, not a server's: pass the public .key file of the pair "
+                    "`registry serve --server-key` was given"
                 )
         elif secret:
             warnings.warn(
@@ -159,9 +196,12 @@ class ZmqRegistry(OperationsClient):
                 stacklevel=2,
             )
         self._key = b"" if secret is None else secret.encode() if isinstance(secret, str) else secret
-        # Who this client acts as: its certificate's principal; without a key, an admin.
-        self.principal: Principal = self._cert.principal if self._cert is not None else ADMIN
+        # Who this client acts as: its certificate's principal (for a prefix, the name it
+        # picked under it); without a key, an admin.
+        self.key_principal: Principal = self._cert.principal if self._cert is not None else ADMIN
+        self.principal: Principal = self._acting_as(name)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.retry_for = retry_for
         self.wait_poll = wait_poll
         self.heartbeat = heartbeat
@@ -189,6 +229,33 @@ class ZmqRegistry(OperationsClient):
 
     def __repr__(self) -> str:
         return f"ZmqRegistry({self.address!r}, run={self.epoch})"
+
+    def _acting_as(self, name: str | None) -> Principal:
+        """The principal this client acts as: its key's, or under a prefix key, the
+        concrete name given (or `$WEIGHTPULL_NAME`, or a fresh one) that the prefix owns."""
+        key = self.key_principal
+        source = "name="
+        if name is None and key.is_prefix:
+            name, source = os.environ.get(keyfiles.NAME_ENV) or None, f"${keyfiles.NAME_ENV}"
+        if name is None:
+            return Principal(key.role, key.name[:-1] + uuid.uuid4().hex[:8]) if key.is_prefix else key
+        if self._cert is None:
+            raise InvalidArgumentError(
+                f"{source} {name!r} picks the name a prefix key acts under, and this client has no key"
+            )
+        if key.is_prefix and key.owns(name) and "/" not in name:
+            return Principal(key.role, name)
+        if not key.is_prefix and name == key.name:
+            return key
+        raise InvalidArgumentError(
+            f"{source} {name!r} is not a name the key of {key} ({keyfiles.named(self._cert.path, self._key_source)}) "
+            + (
+                f"may act under: it must be the prefix {key.name[:-1]!r} then at least one letter, digit, '.', "
+                "'_' or '-' (as in " + repr(key.name[:-1] + "7") + ")"
+                if key.is_prefix
+                else "acts as: drop it, or use a key for that name"
+            )
+        )
 
     # -- publishing ----------------------------------------------------------------------
 
@@ -372,9 +439,15 @@ class ZmqRegistry(OperationsClient):
         """Send `op` until it is answered, retrying after timeouts and a server restart.
         With `_run`, only into that run (the replay), raising `_NewRun` if it is gone."""
         req = wire.Request(uuid.uuid4().hex, op, args, _run or self.epoch)
-        deadline = anyio.current_time() + self.retry_for
+        started = anyio.current_time()
         while True:
-            reply = await self._exchange(req, _attempt_timeout or self.timeout)
+            # Until the server has answered once, it is reached within connect_timeout or not at all.
+            bound = self.retry_for if self.epoch is not None else self._connect_bound()
+            token = _HANDSHAKE_BY.set(started + bound)
+            try:
+                reply = await self._exchange(req, _attempt_timeout or self.timeout)
+            finally:
+                _HANDSHAKE_BY.reset(token)
             if reply is not None and reply.epoch_changed:
                 if _run is not None:
                     raise _NewRun(reply.epoch)
@@ -384,14 +457,20 @@ class ZmqRegistry(OperationsClient):
                     return reply.result
                 assert reply.error is not None
                 raise wire.error_from_dict(reply.error)
-            if anyio.current_time() >= deadline:
+            if anyio.current_time() >= started + bound:
+                never = " (it never answered this client)" if self.epoch is None else ""
                 raise RegistryUnavailableError(
-                    f"the registry at {self.address} did not answer {op} within {self.retry_for:g} s"
+                    f"the registry at {self.address} did not answer {op} within {bound:g} s{never}: {UNREACHABLE_HINT}"
                 )
             req = req.retry(_run or self.epoch)
 
+    def _connect_bound(self) -> float:
+        """Seconds a call waits for a server that has not answered this client yet."""
+        return self.retry_for if self.connect_timeout is None else min(self.retry_for, self.connect_timeout)
+
     async def _exchange(self, req: wire.Request, timeout: float) -> wire.Reply | None:
-        """One attempt: the reply to `req`, or None if none came within `timeout`."""
+        """One attempt: the reply to `req`, or None if none came within `timeout` (or a
+        new connection's handshake not by the call's deadline, `_HANDSHAKE_BY`)."""
         try:
             frames = wire.encode_request(self._key, req)
         except (TypeError, ValueError) as exc:
@@ -404,7 +483,12 @@ class ZmqRegistry(OperationsClient):
             with anyio.move_on_after(timeout):
                 await conn.sock.send_multipart(frames)
                 if conn.monitor is not None:
-                    await self._handshake(conn)
+                    handshake_by = _HANDSHAKE_BY.get()
+                    left = timeout if handshake_by is None else handshake_by - anyio.current_time()
+                    with anyio.move_on_after(max(0.0, min(timeout, left))):
+                        await self._handshake(conn)
+                    if conn.monitor is not None:  # no handshake in time: nothing answers there (yet)
+                        return None
                 while True:
                     frames = await conn.sock.recv_multipart()
                     try:
@@ -442,15 +526,18 @@ class ZmqRegistry(OperationsClient):
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 assert self._cert is not None
                 raise AuthenticationError(
-                    f"the registry at {self.address} refused the key of {self.principal} "
-                    f"({self._cert.path}, public key {self._cert.public[:8].decode()}...): it is unknown there "
-                    f"or was revoked; its operator adds {self._cert.name}.key to the server's keys directory"
+                    f"the registry at {self.address} refused the key of {self.key_principal} "
+                    f"({keyfiles.named(self._cert.path, self._key_source)}, public key "
+                    f"{self._cert.public[:8].decode()}...): it is unknown there or was revoked; its operator adds "
+                    f"{keyfiles.file_stem(self._cert.name)}.key to the server's keys directory (the server's log "
+                    "says which)"
                 )
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
                 if self._cert is not None:
                     raise AuthenticationError(
                         f"the registry at {self.address} takes no keys (it serves --insecure-dev, or a "
-                        f"deprecated secret) while this client has one ({self._cert.path}): drop --key and "
+                        f"deprecated secret) while this client has one "
+                        f"({keyfiles.named(self._cert.path, self._key_source)}): drop --key and "
                         f"${keyfiles.KEY_ENV}, or serve with --keys and --server-key"
                     )
                 raise AuthenticationError(

@@ -15,7 +15,11 @@ Who asks, in one of three modes:
   names it by that key (its ZeroMQ User-Id); each message's principal is looked up
   afresh in DIR's certificates (keys.py), reloaded when DIR changes, so a key added
   works at its next handshake and a key revoked stops working at its next message, even
-  on a connection made before.
+  on a connection made before. Each refused handshake is a warning in the log, naming
+  the key (its z85 prefix, and the file and principal it is known by, if any) and why
+  (unknown, revoked, the server's own, not this server's key, no key at all), at most
+  once a minute per key and reason on the registry's clock (`RefusalLog`): a client
+  that reconnects ten times a second cannot flood it.
 - **dev** (`insecure_dev=True`, or nothing): no encryption and no authentication, loopback
   addresses only; every client acts as admin.
 - **secret** (`secret=`, deprecated): the HMAC framing of earlier releases; every client
@@ -45,6 +49,7 @@ import anyio
 import zmq
 import zmq.asyncio
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from weightpull import operations
 from weightpull.errors import AuthenticationError, InvalidArgumentError, RegistryError, WeightpullError
@@ -63,6 +68,8 @@ MAX_WAIT = 30.0  # longest a wait_for_version request is held; clients poll agai
 DEFAULT_LIVENESS_TTL = 10.0  # seconds a principal not heard from stays alive
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 RESCAN = 1.0  # seconds between full looks at the keys directory (besides its mtime on each message)
+REFUSAL_LOG_EVERY = 60.0  # seconds between log lines about one key's refusals for one reason
+_REFUSALS_KEPT = 4096  # (key, reason) pairs remembered: unknown keys cost no more than this
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -93,6 +100,7 @@ class KeyRing:
         self._print: tuple[tuple[str, int, int], ...] | None = None
         self._scanned = -float("inf")
         self.principals: dict[bytes, Principal] = {}
+        self.refusals: dict[bytes, keyfiles.Refusal] = {}  # keys known there but not admitted, and why
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False) -> None:
@@ -109,7 +117,7 @@ class KeyRing:
             return
         self._print = current
         before = self.principals
-        self.principals = keyfiles.authorized(self.directory)
+        self.principals, self.refusals = keyfiles.scan(self.directory)
         if before or force:
             added = {str(p) for k, p in self.principals.items() if k not in before}
             gone = {str(p) for k, p in before.items() if k not in self.principals}
@@ -125,6 +133,41 @@ class KeyRing:
     def lookup(self, public: bytes) -> Principal | None:
         self.refresh()
         return self.principals.get(public)
+
+    def why_refused(self, public: bytes) -> tuple[str, str]:
+        """What a key not admitted is known as here ("" if nothing names it) and why it is refused."""
+        refusal = self.refusals.get(public)
+        if refusal is not None:
+            return refusal.known_as, refusal.why
+        return "", (
+            f"unknown key: no certificate in {self.directory} names it (its operator adds the client's "
+            f"NAME.key there, or gives the client a key made there)"
+        )
+
+
+class RefusalLog:
+    """Refusals of clients, each a warning line at most once per (key, reason) every
+    `every` seconds on `now` (the registry's clock); the ones between are counted and
+    said in the next line. Remembers at most `_REFUSALS_KEPT` pairs."""
+
+    def __init__(self, now: Callable[[], float], every: float = REFUSAL_LOG_EVERY) -> None:
+        self.now, self.every = now, every
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}  # (key, reason) -> (logged at, since then)
+
+    def refused(self, key: str, why: str, line: str) -> bool:
+        """Log `line` unless (key, why) was logged within `every`; whether it was logged."""
+        now = self.now()
+        at, since = self._last.get((key, why), (None, 0))
+        if at is not None and now - at < self.every:
+            self._last[key, why] = (at, since + 1)
+            return False
+        if len(self._last) >= _REFUSALS_KEPT:  # forget the pairs whose minute is over
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every}
+        if len(self._last) < _REFUSALS_KEPT:
+            self._last[key, why] = (now, 0)
+        more = f" ({since} more since {now - at:.0f} s ago, not logged)" if at is not None and since else ""
+        log.warning("%s%s", line, more)
+        return True
 
 
 class RegistryServer:
@@ -214,6 +257,7 @@ class RegistryServer:
         self.metrics_url: str | None = None  # set while serving metrics
         self.served = 0
         self.refused = 0
+        self.refusals = RefusalLog(self.registry.clock.now)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the endpoint through `task_status`, and answer until cancelled."""
@@ -236,6 +280,9 @@ class RegistryServer:
         zap: zmq.asyncio.Socket | None = None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Handshakes that fail before the ZAP handler is asked (no key, a wrong server key)
+        # show on the socket's monitor alone.
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         # Frames over the limit get an error reply; far over it, zmq drops the
         # connection before buffering them.
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_message + 4096)
@@ -256,6 +303,7 @@ class RegistryServer:
                 except zmq.ZMQError as exc:
                     raise RegistryError(f"cannot bind {self.bind}: {exc}") from None
                 self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                tg.start_soon(self._watch_handshakes, monitor)
                 task_status.started(self.endpoint)
                 if self.machine.liveness_ttl is not None:
                     tg.start_soon(self._sweep, min(self.machine.liveness_ttl / 4, 1.0))
@@ -268,6 +316,11 @@ class RegistryServer:
                     except Exception:  # a bug must cost one message, never the server
                         log.exception("could not answer a message from peer %s", peer.hex()[:10])
         finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
             sock.close(linger=0)
             if zap is not None:
                 zap.close(linger=0)
@@ -290,18 +343,57 @@ class RegistryServer:
                         status, text, user = b"200", b"OK", public
                         log.debug("admitted %s from %s", principal, address.decode(errors="replace"))
                     else:
-                        self.refused += 1
-                        log.warning(
-                            "refused a handshake from %s: key %s... is not in %s (unknown or revoked)",
-                            address.decode(errors="replace"),
-                            public[:8].decode(),
-                            self.ring.directory,
-                        )
+                        known_as, why = self.ring.why_refused(public)
+                        self._refused_handshake(public, known_as, why, address.decode(errors="replace"))
                 else:
                     text = b"CURVE only"
             except ValueError:
                 text = b"Malformed ZAP request"
             await zap.send_multipart([version, request_id, status, text, user, b""])
+
+    def _refused_handshake(self, public: bytes | None, known_as: str, why: str, where: str) -> None:
+        """Count a refused handshake, and log it (once a minute per key and reason)."""
+        self.refused += 1
+        key = "no readable key" if public is None else f"key {public[:8].decode()}..."
+        named = f" ({known_as})" if known_as else ""
+        self.refusals.refused(
+            "" if public is None else public.decode(), why, f"refused a handshake from {where} by {key}{named}: {why}"
+        )
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        """Log the handshakes refused before the ZAP handler hears of them: a client
+        without a key at a keyed server (or with one at a server without keys), and one
+        whose server key is not this server's (its hello cannot be decrypted)."""
+        keyed = self.server_cert is not None
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except zmq.ZMQError:  # closed as the server stops
+                return
+            value, where = int(event["value"]), event["endpoint"].decode(errors="replace")
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the value is an errno
+                why = (
+                    f"the client hung up during the handshake ({os.strerror(value)}): likely one without a key "
+                    "that gave up at once (a weightpull client does), or one that was stopped"
+                    if keyed
+                    else f"the handshake failed ({os.strerror(value)})"
+                )
+            elif value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                why = (
+                    "a client without a key (it must pass --key and --server-key, or set $WEIGHTPULL_KEY "
+                    "and $WEIGHTPULL_SERVER_KEY)"
+                    if keyed
+                    else "a client with a key, while this server takes none (it serves without --keys)"
+                )
+            elif self.server_cert is not None and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                public = self.server_cert.path.with_name(keyfiles.file_stem(self.server_cert.name) + ".key")
+                why = (
+                    "a client whose server key is not this server's public key (its hello cannot be "
+                    f"decrypted; it must pass {public} as --server-key)"
+                )
+            else:
+                why = f"the handshake failed (ZMTP protocol error {value:#x})"
+            self._refused_handshake(None, "", why, where)
 
     def _principal(self, frame: zmq.Frame) -> Principal | AuthenticationError:
         """Who sent this message: in keys mode the principal of its key as the keys
@@ -312,8 +404,16 @@ class RegistryServer:
             user = frame.get("User-Id")
         except zmq.ZMQError:
             user = ""
-        principal = self.ring.lookup(str(user).encode())
+        public = str(user).encode()
+        principal = self.ring.lookup(public)
         if principal is None:
+            known_as, why = self.ring.why_refused(public)
+            named = f" ({known_as})" if known_as else ""
+            self.refusals.refused(
+                public.decode(),
+                f"since it connected: {why}",
+                f"refused a message by key {public[:8].decode()}...{named}, admitted at its handshake: {why}",
+            )
             return AuthenticationError(
                 f"the key {str(user)[:8]}... is no longer authorized at this registry (revoked since it "
                 "connected): ask its operator for a key (`weightpull keys new`)"
@@ -342,7 +442,8 @@ class RegistryServer:
             cached = self.replies.get(req, str(who)) if op.mutates else None
         except WeightpullError as exc:  # ProtocolError or AuthenticationError
             self.refused += 1
-            log.warning("refused a message from peer %s: %s: %s", peer.hex()[:10], type(exc).__name__, exc)
+            if exc is not who:  # a key refused since it connected was logged by _principal, rate-limited
+                log.warning("refused a message from peer %s: %s: %s", peer.hex()[:10], type(exc).__name__, exc)
             msg_id, nonce = wire.peek(frames, self.max_message)
             await self._send(sock, peer, Reply.failure(self.epoch, exc, id=msg_id, re=nonce))
             return
