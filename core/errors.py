@@ -170,10 +170,11 @@ class PermissionDeniedError(RegistryError, PermissionError):
 class RegistryUnavailableError(RegistryError, TimeoutError):
     """A served registry did not answer within the client's whole retry deadline.
 
-    Raised by `ZmqRegistry` calls after `retry_for` seconds (30 by default) of retries:
-    the server is down, unreachable, or the address is wrong. Fix: check that
-    `weightpull registry serve` runs at that address (`weightpull status ADDRESS`). Also a
-    `TimeoutError`.
+    Raised by `ZmqRegistry` calls after `retry_for` seconds (30 by default) of retries, or
+    after `connect_timeout` (5) while the server has never answered that client: the
+    server is down, unreachable, or the address is wrong. Fix: check that `weightpull
+    registry serve` runs at that address (`weightpull status ADDRESS`); the message asks
+    it too. Also a `TimeoutError`.
     """
 
 
