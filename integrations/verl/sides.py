@@ -51,6 +51,7 @@ class Sending:
             self.registry,
             self.transport,
             num_slots=settings.num_slots,
+            when_full="wait",  # verl's rollout waits for this very version: it must not be skipped
             rollout_dtype=settings.rollout_dtype,
             device=settings.device,
             bucket_bytes=bucket_bytes,

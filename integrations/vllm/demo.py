@@ -113,7 +113,9 @@ async def run_vllm_demo(cfg: VllmDemoConfig, stream: TextIO = sys.stderr) -> dic
             registry, address = await _registry(cfg, tg)
             if hasattr(transport, "serve"):
                 tg.start_soon(transport.serve)  # answers the replicas' first reads
-            publisher = Publisher(registry, transport, rollout_dtype=None, num_slots=3, name="trainer")
+            publisher = Publisher(
+                registry, transport, rollout_dtype=None, num_slots=3, when_full="wait", name="trainer"
+            )  # the dispatcher admits each version's prompts once it is served: none may be skipped
             sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, ignore_eos=True)
 
             async def replica(i: int, *, task_status: Any) -> None:
