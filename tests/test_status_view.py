@@ -150,3 +150,48 @@ async def test_weightpull_status_shows_them_as_tables_and_compact_and_watched(tm
 def test_compact_and_json_together_is_a_wrong_command_line():
     shown = cli("status", "--registry", "tcp://127.0.0.1:1", "--compact", "--json", timeout=60)
     assert shown.returncode == 2 and "--compact" in shown.stderr
+
+
+async def test_the_update_agent_reports_its_engines_last_pull_and_a_puller_knows_its_own():
+    from tests.conftest import World, autojump, host_tensors
+    from tests.test_agent import FakeEngine
+    from weightpull.rl.agent import UpdateAgent
+
+    class Reporting(FakeEngine):
+        def last_pull(self):
+            return self.puller.last_pull()
+
+    world = World()
+    publisher, engine = world.publisher(), Reporting(world)
+    assert engine.puller.last_pull() is None  # before its first pull
+    agent = UpdateAgent("r0", world.registry, engine, clock=world.clock)
+    async with autojump(world.clock), anyio.create_task_group() as tg:
+        tg.start_soon(agent.run)
+        await publisher.publish(1, host_tensors(1))
+        assert await agent.wait_for_version(1, timeout=5) == 1
+        tg.cancel_scope.cancel()
+    report = engine.puller.last_pull()
+    assert report == PullReport(engine.pulled.seconds, engine.pulled.nbytes, "")  # "": the version's own slot
+    pull = (await world.registry.status()).pulls["r0"]
+    assert (pull.version, pull.nbytes, pull.source) == (1, engine.pulled.nbytes, "") and pull.nbytes > 0
+
+
+async def test_a_pull_report_to_a_server_of_an_earlier_release_falls_back_to_the_plain_report(monkeypatch):
+    import attrs
+
+    from weightpull.drivers.zmq_registry import wire
+    from weightpull.drivers.zmq_registry.client import ZmqRegistry
+    from weightpull.drivers.zmq_registry.server import RegistryServer
+    from weightpull.operations import OPERATIONS
+
+    earlier = attrs.evolve(OPERATIONS["report_serving"], optional={})  # as an earlier release checks it
+    monkeypatch.setitem(wire._ARGS, "report_serving", wire._args_form("report_serving", wire._wire_op(earlier)))
+    server = RegistryServer("tcp://127.0.0.1:0", insecure_dev=True)
+    async with anyio.create_task_group() as tg:
+        address = await tg.start(server.serve)
+        async with ZmqRegistry(address, heartbeat=None) as reg:
+            await reg.report_serving("r0", 1, pull=PullReport(1.0, 10))
+            await reg.report_serving("r0", 2, pull=PullReport(1.0, 10))
+            status = await reg.status()
+        tg.cancel_scope.cancel()
+    assert status.serving == {"r0": 2} and status.pulls == {}
