@@ -20,7 +20,7 @@ from weightpull.errors import (
     VersionWaitTimeoutError,
 )
 from weightpull.layout import TensorSpec
-from weightpull.rl.agent import UpdateAgent
+from weightpull.rl.agent import LAPSE_POLL, UpdateAgent
 
 pytestmark = pytest.mark.anyio
 
@@ -116,27 +116,30 @@ async def test_a_borrow_with_wait_ends_at_the_lapse():
     assert world.clock.now() < 2 * TTL
 
 
-async def test_the_update_agent_stops_on_the_lapse_and_its_waiters_are_told_by_name():
+async def test_the_update_agent_keeps_serving_through_the_lapse_and_its_waiters_are_told_by_name():
     world = World()
     world.registry = registry(world.clock)
     publisher = world.publisher(name="trainer")
     agent = UpdateAgent("r0", world.registry, FakeEngine(world), clock=world.clock)
-    failed: list[BaseException] = []
-
-    async def run() -> None:
-        try:
-            await agent.run()
-        except PublisherLapsedError as exc:
-            failed.append(exc)
 
     async with autojump(world.clock), anyio.create_task_group() as tg:
         await publisher.publish(1, host_tensors(1))
-        tg.start_soon(run)
+        tg.start_soon(agent.run)
         assert await agent.wait_for_version(1, timeout=5) == 1
-        with pytest.raises(PublisherLapsedError, match="agent of 'r0' stopped.*'trainer' lapsed") as caught:
+        with pytest.raises(PublisherLapsedError, match="r0 cannot serve v2 .serving: 1.*'trainer' lapsed") as caught:
             await agent.wait_for_version(2, timeout=60)
-    assert world.clock.now() < 60 and caught.value.publisher == "trainer"
-    assert failed and failed[0].publisher == "trainer"
+        assert world.clock.now() < 60 and caught.value.publisher == "trainer"
+        # No failure: it serves its version on, and a wait begun while the lapse lasts is told at once.
+        assert agent.failure is None and agent.serving == 1 and agent.lapsed is not None
+        told = world.clock.now()
+        with pytest.raises(PublisherLapsedError, match="'trainer' lapsed"):
+            await agent.wait_for_version(2, timeout=60)
+        assert world.clock.now() - told <= LAPSE_POLL
+        # Heard from again (a restarted trainer): the agent goes on to its next version.
+        await publisher.publish(2, host_tensors(2))
+        assert await agent.wait_for_version(2, timeout=10) == 2
+        assert agent.lapsed is None and agent.failure is None
+        tg.cancel_scope.cancel()
 
 
 # -- the trainer's side: wait_until_served -------------------------------------------------------

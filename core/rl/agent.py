@@ -82,6 +82,8 @@ class EngineControl(Protocol):
 
 # A pull can fail for reasons that pass: a torn read, a version retired before it was
 # leased, a transport hiccup. The agent tries the newest version again, a few times.
+LAPSE_POLL = 1.0  # seconds between looks at a lapsed publisher's line: is it back?
+
 _RETRYABLE = (PullError, RegistryError, TransportError)
 # Its source is gone (the publisher's process exited, or it dropped the slot): that
 # version can never be read, so the agent waits for a newer one instead of retrying.
@@ -167,6 +169,7 @@ class UpdateAgent:
         self.clock = clock or MonotonicClock()
         self.serving: int | None = None
         self.failure: BaseException | None = None
+        self.lapsed: PublisherLapsedError | None = None  # the followed publisher's lapse, until it is back
         self.stats = AgentStats()
         self._forced = -1  # wait_for_version asked for at least this version
         self._failed_pulls = 0  # in a row
@@ -177,6 +180,7 @@ class UpdateAgent:
         self._changed: anyio.Event | None = None
         self._poke: anyio.Event | None = None
         self._running = False
+        self._lapse_checks = 0  # lapses seen: a waiter that finds one waits for the agent to look again
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -184,8 +188,11 @@ class UpdateAgent:
         """Keep the replica on a recent version until cancelled.
 
         On an error the agent is marked failed (`failure`; every waiter gets
-        `AgentFailedError`, or `PublisherLapsedError` when that was the error) and the
-        error propagates, so the task group running it, and the job, fail.
+        `AgentFailedError`) and the error propagates, so the task group running it, and
+        the job, fail. A lapse of the publisher it follows is no failure: the agent keeps
+        serving its version (`lapsed` names the lapse; its waiters get
+        `PublisherLapsedError` at once) and goes on once the publisher is heard from again,
+        a restarted trainer included.
 
         Raises:
             InvalidArgumentError: The agent is already running.
@@ -193,8 +200,6 @@ class UpdateAgent:
                 `RegistryError`, `TransportError`: the last failure).
             ApplyError: `max_apply_failures` applies in a row failed, or one left the
                 engine on no defined weights.
-            PublisherLapsedError: The publisher whose line it follows lapsed (the
-                registry's liveness): no newer version will come from it.
         """
         if self._running:
             raise InvalidArgumentError(f"agent {self.name!r} is already running")
@@ -239,9 +244,25 @@ class UpdateAgent:
         return max(target, self._failed_version + 1)
 
     async def _next_version(self) -> int:
-        """The newest READY version once it reaches the target; re-aimed when poked."""
+        """The newest READY version once it reaches the target; re-aimed when poked. While
+        the publisher followed has lapsed, it looks again every `LAPSE_POLL` seconds (or
+        when a waiter pokes it) until that publisher is heard from again."""
         while True:
-            found = await self._wait_newest()
+            try:
+                found = await self._wait_newest()
+            except PublisherLapsedError as lapse:
+                if self.lapsed is None:
+                    log.warning("agent %s: still serving v%s; %s", self.name, self.serving, lapse)
+                self.lapsed = lapse
+                self._lapse_checks += 1
+                self._notify()
+                self._poke = poke = anyio.Event()
+                await within(self.clock, LAPSE_POLL, poke.wait)  # looked at again when due, or at once for a waiter
+                continue
+            if self.lapsed is not None:
+                log.info("agent %s: the publisher is back", self.name)
+                self.lapsed = None
+                self._notify()
             if found is not None:
                 return found
 
@@ -377,10 +398,6 @@ class UpdateAgent:
             self._changed = None
 
     def _check(self) -> None:
-        if isinstance(self.failure, PublisherLapsedError):  # what it waited on is gone: say so, by name
-            raise PublisherLapsedError(
-                f"the update agent of {self.name!r} stopped: {self.failure}", publisher=self.failure.publisher
-            ) from self.failure
         if self.failure is not None:
             raise AgentFailedError(f"the update agent of {self.name!r} failed: {self.failure!r}") from self.failure
 
@@ -394,7 +411,6 @@ class UpdateAgent:
 
         Raises:
             AgentFailedError: The agent has failed, or fails meanwhile (chained to why).
-            PublisherLapsedError: The agent stopped on its publisher's lapse.
         """
         self._check()
         await self._event().wait()
@@ -416,8 +432,9 @@ class UpdateAgent:
         Raises:
             InvalidArgumentError: `version` is not a non-negative int.
             VersionWaitTimeoutError: It was not served within `timeout`.
-            PublisherLapsedError: The publisher the agent follows lapsed (the agent
-                stopped on it), naming it.
+            PublisherLapsedError: The publisher the agent follows has lapsed, or
+                lapses meanwhile (naming it): no newer version will come from it until it
+                is back. The agent keeps serving its version and goes on once it is.
             AgentFailedError: The agent has failed, or fails meanwhile.
         """
         if not isinstance(version, int) or version < 0:
@@ -427,10 +444,18 @@ class UpdateAgent:
             if self._poke is not None:
                 self._poke.set()
         deadline = None if timeout is None else self.clock.now() + timeout
+        checks = self._lapse_checks  # a lapse seen before this wait is looked at again first
+        if self.lapsed is not None and self._poke is not None:
+            self._poke.set()
         while True:
             self._check()
             if self.serving is not None and self.serving >= version:
                 return self.serving
+            if self.lapsed is not None and self._lapse_checks > checks:
+                raise PublisherLapsedError(
+                    f"{self.name} cannot serve v{version} (serving: {self.serving}): {self.lapsed}",
+                    publisher=self.lapsed.publisher,
+                )
             remaining = None if deadline is None else deadline - self.clock.now()
             if remaining is not None and remaining <= 0:
                 raise VersionWaitTimeoutError(
