@@ -151,7 +151,12 @@ async def test_fp32_publish_each_replica_greedy_equals_transformers(cluster):
     for name, r in fp32.replicas.items():
         await r.agent.wait_for_version(version, timeout=60)
         assert (await greedy(r.llm, LONG))[0] == fp32.reference(LONG), name
-    assert (await fp32.registry.status()).serving == {"r0": version, "r1": version}
+    status = await fp32.registry.status()
+    assert status.serving == {"r0": version, "r1": version}
+    # Each replica's last pull, as its agent reported it from the workers' figures.
+    for name in ("r0", "r1"):
+        pull = status.pulls[name]
+        assert pull.version == version and pull.seconds > 0 and pull.nbytes > 0 and pull.source == "", (name, pull)
 
 
 async def test_bf16_publish_equals_a_fresh_engine_on_the_same_weights(cluster):

@@ -21,6 +21,7 @@ from weightpull import errors
 from weightpull.clock import Clock, MonotonicClock
 from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import check_line
+from weightpull.records import PullReport
 from weightpull.registry import Registry
 from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.rl.dispatcher import Prompt
@@ -166,6 +167,7 @@ class VllmEngine:
         self.apply_timeout = apply_timeout
         self.clock = clock or MonotonicClock()
         self.last_apply: Mapping[str, Any] = {}  # the first worker's report of the last apply
+        self._last_pull: PullReport | None = None
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
         return await self.llm.collective_rpc(method, args=args)
@@ -189,11 +191,17 @@ class VllmEngine:
                 if status["error"] is not None:
                     raise _error(status["error"])
             if all(s["pulled"] == version for s in statuses):
+                self._last_pull = _pull_report(statuses)
                 return
             if any(s["pending"] != version and s["pulled"] != version for s in statuses):
                 raise PullError(f"the prefetch of v{version} is no longer under way (restarted?)")
             await self.clock.sleep(self.poll_interval)
             statuses = await self._rpc("weightpull_status")
+
+    def last_pull(self) -> PullReport | None:
+        """The last prefetch as the update agent reports it for the registry's status: the
+        slowest worker's seconds, the bytes all workers read, the first worker's source."""
+        return self._last_pull
 
     async def pause(self, mode: PauseMode) -> None:
         # The caches are reset once, after the apply (nothing runs in between).
@@ -234,6 +242,12 @@ class VllmEngine:
 
     async def stop(self) -> None:
         await self._rpc("weightpull_stop")
+
+
+def _pull_report(statuses: list[Any]) -> PullReport | None:
+    if any(s.get("seconds") is None or s.get("bytes") is None for s in statuses):
+        return None  # a worker of an earlier release: no figures
+    return PullReport(max(s["seconds"] for s in statuses), sum(s["bytes"] for s in statuses), statuses[0]["source"])
 
 
 class VllmReplica:

@@ -215,20 +215,26 @@ class BackgroundPulls:
 
     def status(self) -> dict[str, Any]:
         """What the background pull has come to, as plain data."""
-        future, pulled, error, nbytes = self._future, None, None, None
+        future, pulled, error, nbytes, seconds, source = self._future, None, None, None, None, ""
         if future is not None and future.done():
             if future.cancelled():
                 error = {"type": "PullError", "message": f"the pull of v{self._version} was cancelled"}
             elif future.exception() is not None:
                 error = error_info(future.exception())  # type: ignore[arg-type]
             else:
-                pulled, nbytes = future.result().version, future.result().nbytes
+                result = future.result()
+                pulled, nbytes, seconds = result.version, result.nbytes, result.seconds
+                puller = next((p for p in self.pair.pullers if p.mirror is result.region), None)
+                report = getattr(puller, "last_pull", lambda: None)()  # a SlicePuller has none: its slot
+                source = report.source if report is not None else ""
         return {
             "pending": self._version if future is not None and not future.done() else None,
             "pulled": pulled,
             "error": error,
             "serving": self.pair.current.version if self.pair.current else None,
             "bytes": nbytes,  # what the pull read: the whole version, or this rank's slice
+            "seconds": seconds,  # how long that pull took
+            "source": source,  # where it read from ("": the version's own slot, else a relay)
             "serving_bytes": self.pair.current.nbytes if self.pair.current else None,
             "offered": self.pair.offered,  # as a relay: versions offered, or kept for their readers
         }
