@@ -103,7 +103,7 @@ lint: links
 	$(BIN)/mypy
 
 test: test-plan setup setup-torch setup-verl lint docs-build
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
 	$(MAKE) --no-print-directory test-verl
 
