@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import warnings
@@ -65,7 +66,9 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # also refuses nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value
 

@@ -73,6 +73,8 @@ FAILURES = [
     (("registry",), 2, "the following arguments are required: registry_command"),
     (("status", "--timeout", "-1"), 2, "argument --timeout: must be above 0"),
     (("status", "--watch", "0"), 2, "argument --watch: must be above 0"),
+    (("status", "--watch", "nan"), 2, "argument --watch: must be a finite number of seconds, got nan"),
+    (("registry", "serve", "--liveness-ttl", "inf"), 2, "argument --liveness-ttl: must be a finite number of seconds"),
     (("status", "--watch", "--json"), 2, "--watch draws a live table and --json prints one object: pass one"),
     (("drivers", "--bogus"), 2, "unrecognized arguments: --bogus"),
     (("nope",), 2, "argument command: invalid choice: 'nope'"),

@@ -237,3 +237,9 @@ async def test_a_served_wait_ends_at_the_publishers_lapse_not_its_timeout():
             assert [lapse.name for lapse in status.lapsed] == ["trainer"]
             assert status.lapsed[0].ended == ("withdrew v1",)
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0])
+def test_an_agent_refuses_a_retry_delay_that_is_not_a_finite_number_of_seconds(delay):
+    with pytest.raises(InvalidArgumentError, match="retry_delay must be a finite number"):
+        UpdateAgent("r0", registry(FakeClock()), FakeEngine(World()), retry_delay=delay)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from typing import Protocol, runtime_checkable
 
 import anyio
@@ -152,6 +153,8 @@ class UpdateAgent:
             raise InvalidArgumentError(f"min_version_lag must be an int >= 1, got {min_version_lag!r}")
         if max_pull_attempts < 1:
             raise InvalidArgumentError(f"max_pull_attempts must be >= 1, got {max_pull_attempts!r}")
+        if not (isinstance(retry_delay, (int, float)) and math.isfinite(retry_delay) and retry_delay >= 0):
+            raise InvalidArgumentError(f"retry_delay must be a finite number of seconds >= 0, got {retry_delay!r}")
         if max_apply_failures < 1:
             raise InvalidArgumentError(f"max_apply_failures must be >= 1, got {max_apply_failures!r}")
         try:
