@@ -133,6 +133,8 @@ async def test_weightpull_status_shows_them_as_tables_and_compact_and_watched(tm
                 env=env(),
                 stdout=subprocess.PIPE,
                 text=True,
+                # A pytest-xdist worker ignores SIGINT and a child inherits that: give it Ctrl-C back.
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
             try:
                 first = [await anyio.to_thread.run_sync(watch.stdout.readline) for _ in range(3)]
