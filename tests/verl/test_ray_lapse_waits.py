@@ -20,7 +20,7 @@ async def test_a_wait_in_the_actor_ends_at_the_publishers_lapse_and_a_replica_le
 ):
     driver = RayRegistry.create(fresh_address(), principals=[TRAINER, READER], liveness_ttl=TTL)
     trainer = RayRegistry(driver.address, token=driver.tokens[TRAINER], heartbeat=TTL / 5)
-    reader = RayRegistry(driver.address, token=driver.tokens[READER])  # no heartbeat: it leaves
+    reader = RayRegistry(driver.address, token=driver.tokens[READER], heartbeat=None)  # no heartbeat: it leaves
     try:
         v = await trainer.begin(publisher="trainer", slot=0)
         await trainer.commit(manifest(v, buckets=1))
