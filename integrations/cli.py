@@ -15,7 +15,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 import warnings
@@ -34,6 +33,8 @@ from weightpull.errors import (
     WeightpullError,
 )
 from weightpull.transports import list_transports, transport_class
+
+from .arguments import positive_seconds
 
 
 class UsageError(InvalidArgumentError):
@@ -58,19 +59,6 @@ def _count(minimum: int) -> Any:
         return value
 
     return parse
-
-
-def _positive(text: str) -> float:
-    """An argparse type: a number of seconds above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
 
 
 def _bind(text: str) -> str:
@@ -883,7 +871,7 @@ def _bench_parser(sub: Any) -> None:
         "what is there; without, it starts its own server process (docs/guides/registry-service.md).",
     )
     registry.add_argument("--clients", type=_count(1), default=8, help="concurrent clients (default: 8)")
-    registry.add_argument("--seconds", type=_positive, default=3.0, help="measured time (default: 3)")
+    registry.add_argument("--seconds", type=positive_seconds, default=3.0, help="measured time (default: 3)")
     registry.add_argument(
         "--registry", help="address of a served registry (default: $WEIGHTPULL_REGISTRY, else its own)"
     )
@@ -1027,7 +1015,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--replicas", type=_count(2), default=2, help="replica pullers, at least 2 (default: 2)")
     demo.add_argument(
         "--ttl",
-        type=_positive,
+        type=positive_seconds,
         default=2.0,
         help="lease TTL in seconds; the replica torn on purpose uses a quarter of it (default: 2.0)",
     )
@@ -1098,7 +1086,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--liveness-ttl",
-        type=_positive,
+        type=positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="how long a principal not heard from stays alive; clients' heartbeats renew it every second (default: 10)",
@@ -1145,11 +1133,11 @@ def parser() -> argparse.ArgumentParser:
     )
     _key_arguments(status)
     status.add_argument(
-        "--timeout", type=_positive, default=5.0, help="seconds to keep trying to reach it (default: 5)"
+        "--timeout", type=positive_seconds, default=5.0, help="seconds to keep trying to reach it (default: 5)"
     )
     status.add_argument(
         "--watch",
-        type=_positive,
+        type=positive_seconds,
         nargs="?",
         const=2.0,
         metavar="SECONDS",

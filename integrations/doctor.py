@@ -46,6 +46,8 @@ from weightpull.errors import (
     WeightpullError,
 )
 
+from .arguments import positive_seconds
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 CHECKS = ("keys", "registry", "transport", "ptrace", "shm", "gpus")
 LISTEN_PORT = 5557  # `--listen`'s default port: the registry's default (5555) plus two
@@ -1044,16 +1046,6 @@ def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return typed
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
 def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
@@ -1098,7 +1090,9 @@ def add_parser(sub: Any) -> None:
         help=f"run no checks: serve a buffer from a NIXL agent to `--peer` readers for --serve-for seconds "
         f"(default address: 0.0.0.0:{LISTEN_PORT})",
     )
-    p.add_argument("--serve-for", type=_positive, default=120.0, metavar="SECONDS", help="with --listen (default: 120)")
+    p.add_argument(
+        "--serve-for", type=positive_seconds, default=120.0, metavar="SECONDS", help="with --listen (default: 120)"
+    )
     p.add_argument(
         "--read-size", type=_nbytes, default=64 * MiB, metavar="BYTES", help="the buffer --listen serves (default: 64M)"
     )
@@ -1115,7 +1109,10 @@ def add_parser(sub: Any) -> None:
         help="a model mirror's size (16G, 1T): /dev/shm must hold it (default: warn under 1 GiB free)",
     )
     p.add_argument(
-        "--timeout", type=_positive, default=2.0, help="seconds the registry and the peer have to answer (default: 2)"
+        "--timeout",
+        type=positive_seconds,
+        default=2.0,
+        help="seconds the registry and the peer have to answer (default: 2)",
     )
     p.add_argument("--skip", action="append", choices=CHECKS, default=[], help="leave a check out (repeatable)")
     p.add_argument("--json", action="store_true", help="print a JSON list of the checks, the last line of stdout")
