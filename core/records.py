@@ -134,6 +134,10 @@ class OfferInfo(schema.Record):
     cap: int | None = None
 
 
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
 @attrs.frozen
 class PullReport(schema.Record):
     """How a replica's last pull went, as it reports it with `report_serving`: `nbytes`
@@ -146,7 +150,7 @@ class PullReport(schema.Record):
     @property
     def gbps(self) -> float:
         """Its rate in GB/s (0 for a pull that took no time)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return _gbps(self.nbytes, self.seconds)
 
 
 @attrs.frozen
@@ -164,7 +168,7 @@ class PullInfo(schema.Record):
     @property
     def gbps(self) -> float:
         """Its rate in GB/s (0 for a pull that took no time)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return _gbps(self.nbytes, self.seconds)
 
 
 @attrs.frozen
