@@ -428,15 +428,29 @@ class LeaseClient:
         streaming: bool = False,
         host: str | None = None,
         exclude: Sequence[str] = (),
+        part: str | None = None,
     ) -> tuple[Lease, Pacer]:
         """A lease on `version` (None: the newest READY one; with `streaming`, READY or
         STREAMING), placed at a source the registry picks when `host` is given (but none
-        of `exclude`), and the pacer of its renewals."""
+        of `exclude`; of slice layout `part`, if named), and the pacer of its renewals."""
         ttl, holder, sent = self.settings.ttl, self.holder, self.clock.now()
         if host is not None:
-            lease = await cast(RelayingRegistry, self.registry).acquire(
-                version, ttl=ttl, holder=holder, streaming=streaming, host=host, exclude=tuple(exclude), **self.line
-            )
+            relaying = cast(RelayingRegistry, self.registry)
+            if part is None:  # named only for a slice: a registry of an earlier release takes no part
+                lease = await relaying.acquire(
+                    version, ttl=ttl, holder=holder, streaming=streaming, host=host, exclude=tuple(exclude), **self.line
+                )
+            else:
+                lease = await relaying.acquire(
+                    version,
+                    ttl=ttl,
+                    holder=holder,
+                    streaming=streaming,
+                    host=host,
+                    exclude=tuple(exclude),
+                    part=part,
+                    **self.line,
+                )
         elif streaming:
             lease = await as_streaming(self.registry).acquire(
                 version, ttl=ttl, holder=holder, streaming=True, **self.line

@@ -114,6 +114,7 @@ MANIFEST_RESULT = Form(Any, to_json=Manifest.to_dict, from_json=Manifest.from_di
 PROGRESS = Form(Any, to_json=Progress.to_dict, from_json=Progress.from_dict)
 STATUS = Form(Any, to_json=RegistryStatus.to_dict, from_json=RegistryStatus.from_dict)
 RESERVATIONS = Form(Any, to_json=lambda rs: [r.to_dict() for r in rs], from_json=_reservations)
+MAYBE_DIGESTS = Form(Any, to_json=_optional(list), from_json=_optional(tuple))
 
 
 class Callers(enum.Enum):
@@ -228,16 +229,17 @@ OPERATIONS: Mapping[str, Operation] = dict(
             {"version": MAYBE_COUNT, "ttl": SECONDS, "holder": TEXT},
             LEASE_RESULT,
             mutates=True,
-            optional={"streaming": FLAG, "host": TEXT, "exclude": NAMES, "publisher": TEXT},
+            optional={"streaming": FLAG, "host": TEXT, "exclude": NAMES, "publisher": TEXT, "part": TEXT},
             callers=_H,
         ),
         _op(
             "offer",
             {"version": COUNT, "holder": TEXT, "host": TEXT, "descriptor": BLOB},
             mutates=True,
-            optional={"cap": COUNT, "landed": COUNT},
+            optional={"cap": COUNT, "landed": COUNT, "part": TEXT, "digests": DIGESTS},
             callers=_H,
         ),
+        _op("part_digests", {"version": COUNT, "part": TEXT}, MAYBE_DIGESTS),
         _op("mark_offer", {"version": COUNT, "landed": COUNT, "holder": TEXT}, mutates=True, callers=_H),
         _op("withdraw", {"version": COUNT, "holder": TEXT}, mutates=True, callers=_H),
         _op("readers_at", {"version": COUNT, "holder": TEXT}, INT, callers=_H),
@@ -404,9 +406,11 @@ class OperationsClient:
         host: str | None = None,
         exclude: Iterable[str] = (),
         publisher: str | None = None,
+        part: str | None = None,
     ) -> Lease:
         """Lease `version` (None: the line's newest READY; with `streaming`, a STREAMING one
-        too), placed at a source (the version's slot or a relay) when `host` is given."""
+        too), placed at a source (the version's slot or a relay) when `host` is given: of
+        slice layout `part`, if named."""
         # Each sent only when set, `exclude` only with a host: an older registry takes the rest.
         lease: Lease = await self._op(
             "acquire",
@@ -417,6 +421,7 @@ class OperationsClient:
             host=host,
             exclude=None if host is None else exclude,
             publisher=publisher,
+            part=part,
         )
         return lease
 
@@ -485,11 +490,29 @@ class OperationsClient:
         descriptor: bytes,
         cap: int | None = None,
         landed: int | None = None,
+        part: str | None = None,
+        digests: Sequence[str] | None = None,
     ) -> None:
+        """Offer the version `holder`'s mirror holds (its first `landed` buckets; of slice
+        layout `part`, vouched for by `digests`, if named) as a relay."""
         await self._op(
-            "offer", version=version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed
+            "offer",
+            version=version,
+            holder=holder,
+            host=host,
+            descriptor=descriptor,
+            cap=cap,
+            landed=landed,
+            part=part,
+            digests=digests,
         )
         await self._stand_by(holder)
+
+    async def part_digests(self, version: int, part: str) -> tuple[str, ...] | None:
+        """The digests of slice layout `part` of `version`, as recorded by its first relay
+        that read it from the version's slot; None while none did."""
+        found: tuple[str, ...] | None = await self._op("part_digests", version=version, part=part)
+        return found
 
     async def mark_offer(self, version: int, landed: int, *, holder: str) -> None:
         """A relay's mirror now holds the version's first `landed` buckets."""

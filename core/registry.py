@@ -47,6 +47,7 @@ __all__ = [
     "RegistryStatus",
     "Reservation",
     "ReservingRegistry",
+    "SliceRelayingRegistry",
     "StreamingRegistry",
     "as_streaming",
     "VersionInfo",
@@ -146,6 +147,9 @@ class RelayingRegistry(Protocol):
     reader's `acquire(..., host=...)` is placed at the source the registry picks (the
     lease names it); a relay keeps its mirror while `readers_at` it is above 0.
 
+    A relay of one rank's slice names its layout (`part=`, with the slice's `digests` from
+    the layout's first relay that read the version's slot); see `SliceRelayingRegistry`.
+
     A relay may offer a version it is still receiving (`offer(..., landed=k)`, a STREAMING
     version too) and `mark_offer` each new count of buckets its mirror holds; a streaming
     reader placed there waits for them with `wait_for_buckets(..., source=lease.source)`,
@@ -161,6 +165,7 @@ class RelayingRegistry(Protocol):
         host: str | None = None,
         exclude: Iterable[str] = (),
         publisher: str | None = None,
+        part: str | None = None,
     ) -> Lease: ...
     async def offer(
         self,
@@ -171,6 +176,8 @@ class RelayingRegistry(Protocol):
         descriptor: bytes,
         cap: int | None = None,
         landed: int | None = None,
+        part: str | None = None,
+        digests: Sequence[str] | None = None,
     ) -> None: ...
     async def mark_offer(self, version: int, landed: int, *, holder: str) -> None: ...
     async def withdraw(self, version: int, *, holder: str) -> None: ...
@@ -184,6 +191,17 @@ class RelayingRegistry(Protocol):
         source: str | None = None,
         publisher: str | None = None,
     ) -> Progress: ...
+
+
+@runtime_checkable
+class SliceRelayingRegistry(RelayingRegistry, Protocol):
+    """A `RelayingRegistry` that also relays tensor-parallel ranks' slices (every registry
+    of weightpull's own does): a lease or offer names the slice's layout (`part=`, a
+    `weightpull.slices.slice_key`), only readers of that layout are placed at its offers,
+    and they check what they read against the digests the layout's first relay from the
+    version's slot gave (`part_digests`)."""
+
+    async def part_digests(self, version: int, part: str) -> tuple[str, ...] | None: ...
 
 
 def as_streaming(registry: Registry) -> StreamingRegistry:

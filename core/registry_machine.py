@@ -74,7 +74,7 @@ from .records import (
     Reservation,
     VersionInfo,
 )
-from .relays import ORIGIN, Offer, RelayBook
+from .relays import ORIGIN, Offer, RelayBook, check_part
 from .shard_assembly import ShardAssembly
 from .sharding import check_shard
 from .sources import Reader
@@ -579,6 +579,7 @@ class RegistryMachine:
         host: str | None = None,
         exclude: Iterable[str] = (),
         publisher: str | None = None,
+        part: str | None = None,
     ) -> Lease:
         """Lease the newest READY version of `publisher`'s line (None: the default line),
         or `version` if it is READY (and of that line, when `publisher` is named). With
@@ -588,8 +589,12 @@ class RegistryMachine:
         With `host` (the reader's), the lease is placed at a source of the version the
         registry picks (`weightpull.sources.choose_source`: its own slot, or a replica's
         offered mirror, never one in `exclude`); the lease names it (`source`,
-        `descriptor`). `NoSourceError` when every source is full or excluded."""
+        `descriptor`). `NoSourceError` when every source is full or excluded. With `part`
+        too (a tensor-parallel rank's slice layout, `weightpull.slices.slice_key`), the
+        source is the slot or a mirror offered for that very layout; without, never one
+        offered for a slice."""
         self._enter(by, "acquire")
+        check_part(part)
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "acquire", f"a lease for {holder!r}", "a principal holds leases only under its own names")
@@ -627,7 +632,7 @@ class RegistryMachine:
             self._sync_relays()
             if not streaming:  # a reader that reads every bucket at once: relays holding it whole only
                 exclude = (*exclude, *(o.holder for o in self.relays.offers(version) if not self._whole(o, record)))
-            offer = self.relays.place(lease.id, version, Reader(holder, host), exclude=tuple(exclude))
+            offer = self.relays.place(lease.id, version, Reader(holder, host), exclude=tuple(exclude), part=part)
             if offer is not None:
                 lease.source, lease.descriptor = offer.holder, offer.descriptor
         self._prune(record)
@@ -677,6 +682,8 @@ class RegistryMachine:
         descriptor: bytes,
         cap: int | None = None,
         landed: int | None = None,
+        part: str | None = None,
+        digests: Sequence[str] | None = None,
         by: Principal = ADMIN,
     ) -> None:
         """A replica that holds READY `version` whole in a mirror offers to serve it from
@@ -688,13 +695,23 @@ class RegistryMachine:
         With `landed`, the mirror holds only the version's first `landed` buckets so far
         (it is still receiving them): the version may be STREAMING too, and the relay
         advances the count with `mark_offer`. Streaming readers placed there read each
-        bucket once the relay holds it; a stream committed without digests ends its offers."""
+        bucket once the relay holds it; a stream committed without digests ends its offers.
+
+        With `part`, the mirror holds one tensor-parallel rank's slice of READY `version`
+        (sharded or not), whole, laid out as slice layout `part` says; only readers of
+        that layout are placed there. They check it against the slice's digests, one a
+        bucket of the slice's mirror: `digests`, which only a holder whose copy came from
+        the version's own slot may give (the first such stands; `RelayBook.attest`); a
+        relay that read from a relay offers with none, once they are recorded."""
         self._enter(by, "offer")
         check_name("holder", holder)
         if not by.owns(holder):
             self._refuse(by, "offer", f"v{version} as {holder!r}", "a principal offers only under its own names")
         self._touch_named(by, holder)
         record = self._record(version)
+        if part is not None or digests is not None:
+            self._offer_part(record, holder, host, descriptor, cap, part, digests)
+            return
         relayable = (VersionState.READY,) if landed is None else (VersionState.READY, VersionState.STREAMING)
         if record.state not in relayable or record.manifest is None:
             whole = "only a READY version" if landed is None else "only a READY or STREAMING version"
@@ -710,6 +727,45 @@ class RegistryMachine:
         hops = self.relays.hops_of(version, holder)
         self.relays.offer(Offer(version, holder, host, descriptor, cap, hops, landed))
         self._changed()
+
+    def _offer_part(
+        self,
+        record: _Version,
+        holder: str,
+        host: str,
+        descriptor: bytes,
+        cap: int | None,
+        part: str | None,
+        digests: Sequence[str] | None,
+    ) -> None:
+        """`offer` of one rank's slice (`part`), vouched for by `digests` or by those
+        recorded already."""
+        version = record.version
+        if part is None:
+            raise InvalidArgumentError("digests come with an offer of a slice: pass part= (its layout's key)")
+        check_part(part)
+        if record.state is not VersionState.READY or record.manifest is None:
+            raise VersionStateError(f"version {version} is {record.state}: only a READY version's slice may be relayed")
+        self._sync_relays()
+        if digests is not None:
+            self.relays.attest(version, part, digests, holder)
+        elif self.relays.attested(version, part) is None:
+            raise InvalidArgumentError(
+                f"{holder!r}: no digests of v{version}'s slice layout {part} are recorded yet, so no reader could "
+                "check this relay: the first relay of a layout reads it from the version's slot and offers with "
+                "digests"
+            )
+        hops = self.relays.hops_of(version, holder)
+        self.relays.offer(Offer(version, holder, host, descriptor, cap, hops, None, part))
+        self._changed()
+
+    def part_digests(self, version: int, part: str, *, by: Principal = ADMIN) -> tuple[str, ...] | None:
+        """The digests of slice layout `part` of `version` (one a bucket of its mirror),
+        as the first relay of that layout that read it from the version's slot computed
+        them; None while none did."""
+        self._enter(by, "part_digests")
+        check_int("version", version)
+        return self.relays.attested(version, check_part(part) or "")
 
     def mark_offer(self, version: int, landed: int, *, holder: str, by: Principal = ADMIN) -> None:
         """`holder`'s mirror now holds the first `landed` buckets of `version`, which it

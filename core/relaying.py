@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 from typing import cast
 
 import anyio
@@ -107,13 +108,27 @@ class RelayServer:
         """This replica's host name (`RelaySettings.host`); None: no relays."""
         return self.settings.host
 
-    async def offer(self, version: int | None, descriptor: bytes, *, cap: int | None) -> int:
-        """Offer `version`, which the mirror of `descriptor` holds, as a relay."""
+    async def offer(
+        self,
+        version: int | None,
+        descriptor: bytes,
+        *,
+        cap: int | None,
+        part: str | None = None,
+        digests: Sequence[str] | None = None,
+    ) -> int:
+        """Offer `version`, which the mirror of `descriptor` holds, as a relay: of slice
+        layout `part` (vouched for by `digests`, from a copy of the version's slot), if named."""
         if self.host is None:
             raise InvalidArgumentError("only a puller made with host= offers its mirror as a relay")
         if version is None:
             raise InvalidArgumentError("nothing to offer: no pull has completed into this mirror")
-        await self.registry.offer(version, holder=self.holder, host=self.host, descriptor=descriptor, cap=cap)
+        if part is None:  # named only for a slice: a registry of an earlier release takes no part
+            await self.registry.offer(version, holder=self.holder, host=self.host, descriptor=descriptor, cap=cap)
+        else:
+            await self.registry.offer(
+                version, holder=self.holder, host=self.host, descriptor=descriptor, cap=cap, part=part, digests=digests
+            )
         self.offered = version
         return version
 

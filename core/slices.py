@@ -12,11 +12,19 @@ holding dim-0 rows of every tensor, or one unsharded slot) into reads straight f
 trainer's slots into the rank's mirror: no gathering, no side holding a full tensor. A
 read is 2-D (`height` rows of `width` bytes, each a pitch apart on either side); a read
 of height 1 is a plain one. Pure: no I/O.
+
+`slice_key` names what a rank's mirror holds, whatever rank holds it: replicas whose
+ranks have the same key hold the same bytes of a version, so one may read another's
+mirror whole (a sliced relay). `bucket_needs` says, of a version still streamed, how many
+of its slot's buckets each read waits for.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
+import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -487,3 +495,47 @@ def plan_slice(
                     extent,
                 )
     return SlicePlan(manifest.version, mirror, sources, tuple(_merge(reads)))
+
+
+# -- naming a layout, and streaming ---------------------------------------------------------
+
+SLICE_KEY_PREFIX = "slice-"
+
+
+def slice_key(rank_slice: RankSlice, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, align: int = DEFAULT_ALIGN) -> str:
+    """A stable name for what `rank_slice`'s mirror holds: a digest of its mirror's
+    packing and every piece's box (source tensor, box, place), not of the rank's number,
+    so two ranks that hold the same elements in the same places share it. Two mirrors of
+    one key hold the same bytes of any one version; a relay of a slice serves readers of
+    its key alone (`SlicePuller(host=...)`).
+
+    Args:
+        rank_slice: What the rank holds.
+        bucket_bytes: The bucket size its mirror is packed by.
+        align: The alignment its mirror is packed by.
+
+    Returns:
+        ``slice-`` and 32 hex digits (BLAKE2b-128 of the canonical form).
+    """
+    form = {
+        "mirror": rank_slice.layout(bucket_bytes=bucket_bytes, align=align).signature,
+        "params": [
+            [p.name, p.dtype, list(p.shape), [[c.source, [list(b) for b in c.box], list(c.at)] for c in p.pieces]]
+            for p in rank_slice.params
+        ],
+    }
+    text = json.dumps(form, separators=(",", ":"), sort_keys=True)
+    return SLICE_KEY_PREFIX + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def bucket_needs(plan: SlicePlan, layout: Layout) -> tuple[int, ...]:
+    """For each read of `plan`, made from one slot packed as `layout` (an unsharded
+    version), how many of the slot's first buckets must be committed before it may be
+    made: one more than the index of the bucket its last byte lies in. A version is
+    streamed in bucket order, so a read may start once that many are marked."""
+    starts = [b.offset for b in layout.buckets]
+    needs = []
+    for r in plan.reads:
+        last = r.src + (r.height - 1) * r.src_pitch + r.width - 1
+        needs.append(max(1, bisect.bisect_right(starts, last)))
+    return tuple(needs)

@@ -22,11 +22,12 @@ from weightpull.registry import (
     RegistryMachine,
     RelayingRegistry,
     ReservingRegistry,
+    SliceRelayingRegistry,
     StreamingRegistry,
 )
 
 pytestmark = pytest.mark.anyio
-PROTOCOLS = (Registry, StreamingRegistry, ReservingRegistry, RelayingRegistry)
+PROTOCOLS = (Registry, StreamingRegistry, ReservingRegistry, RelayingRegistry, SliceRelayingRegistry)
 LIFECYCLE = {"aclose"}  # the protocols' own: nothing of it crosses
 
 

@@ -216,8 +216,8 @@ def test_an_argument_no_one_takes_is_a_type_error(world):
         Puller(world.registry, world.transport(), tll=5.0)
     with pytest.raises(TypeError, match="'ttl'"):
         Publisher(world.registry, world.transport(), ttl=5.0)
-    with pytest.raises(TypeError, match="'host'"):
-        SlicePuller(world.registry, world.transport(), RANK, host="h")
+    with pytest.raises(TypeError, match="'spare_mirror'"):  # a slice's relay keeps no spare mirror
+        SlicePuller(world.registry, world.transport(), RANK, host="h", spare_mirror=True)
 
 
 def test_a_slice_puller_takes_its_lease_settings_either_way(world):

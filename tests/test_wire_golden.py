@@ -153,6 +153,13 @@ async def conversation(registry: ZmqRegistry) -> None:
         await registry.get(99)
     with pytest.raises(InvalidTransitionError):
         await registry.retire(v3)
+    # A rank's slice relayed (issue 33): appended, so every message before keeps its bytes.
+    sliced = await registry.acquire(v4, ttl=5.0, holder="r5", host="h1", part="slice-k")
+    await registry.offer(
+        v4, holder="r5", host="h1", descriptor=b"m5", part="slice-k", digests=["blake2b128:" + "0" * 32]
+    )
+    await registry.part_digests(v4, "slice-k")
+    await registry.release(sliced)
 
 
 async def test_every_operation_keeps_its_bytes_on_the_wire(recorded):

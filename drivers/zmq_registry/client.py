@@ -46,6 +46,7 @@ import logging
 import os
 import uuid
 import warnings
+from collections.abc import Sequence
 from typing import Any, Self
 
 import anyio
@@ -323,8 +324,12 @@ class ZmqRegistry(OperationsClient):
         descriptor: bytes,
         cap: int | None = None,
         landed: int | None = None,
+        part: str | None = None,
+        digests: Sequence[str] | None = None,
     ) -> None:
-        await super().offer(version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed)
+        await super().offer(
+            version, holder=holder, host=host, descriptor=descriptor, cap=cap, landed=landed, part=part, digests=digests
+        )
         self._relaying.setdefault(holder, set()).add(version)
         self._start_heartbeat()  # its offers live while it does: an idle relay must not lapse
 
