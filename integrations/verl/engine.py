@@ -9,14 +9,19 @@ updates. `send_weights` publishes (the trainer's cost is one copy into a slot);
 `receive_weights` waits for a version newer than the one it last received and pulls it
 under a lease, unless a `prefetch` already did while the replica was generating.
 
-verl builds the engine on trainer ranks with `is_master` (rank 0 publishes, the others
-only take part in gathering the weights) and on replica workers without it; which role
-an engine plays is known from the call it gets.
+verl builds the engine on trainer ranks with `is_master` and on replica workers without
+it; which role an engine plays is known from the call it gets. With `publish: sharded`
+(the default) every trainer rank publishes its dim-0 shard of the version (shards.py),
+so no rank holds the whole model; with `publish: whole` rank 0 publishes all of it and
+the others only take part in gathering it. A rollout worker pulls the whole version, or
+with `sliced` only its tensor-parallel rank's slice (slicing.py), and hands its engine
+checkpoint-shaped tensors either way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
@@ -24,11 +29,15 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from weightpull.errors import InvalidArgumentError
 from weightpull.integrations.torch_tensors import as_tensors
+from weightpull.slice_puller import SlicePulled
 
 from . import loop
 from .settings import Settings
+from .shards import Held, take_shard, trainer_place
 from .sides import Receiving, Sending
+from .slicing import checkpoint_tensors
 
 log = logging.getLogger(__name__)
 BACKEND = "transport_pull"
@@ -58,6 +67,7 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         self._sending: Sending | None = None
         self._receiving: Receiving | None = None
         self._last_sent: int | None = None
+        self.held = Held()  # bytes of the weights the last send_weights held
 
     # -- verl's lockstep: cheap after the first ----------------------------------------------
 
@@ -74,8 +84,6 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         ranks are kept for logs; the registries named must agree."""
         registries = {m["registry"] for m in metadata if isinstance(m, dict) and "registry" in m}
         if len(registries) > 1:
-            from weightpull.errors import InvalidArgumentError
-
             raise InvalidArgumentError(f"transport_pull workers name different registries: {sorted(registries)}")
         total = actor_wg_world_size + rollout_world_size
         return {"rank": list(range(actor_wg_world_size))}, {"rank": list(range(actor_wg_world_size, total))}
@@ -93,19 +101,43 @@ class TransportPullCheckpointEngine(CheckpointEngine):
     async def send_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator[tuple[str, torch.Tensor]], global_steps=None
     ) -> dict[str, Any]:
-        """Publish `weights` as version `global_steps` (else the next one), on the master
-        rank; the other ranks iterate them (gathering a sharded weight is collective) and
-        publish nothing. Returns once the version is READY: the trainer's cost is the copy
-        into a slot; replicas read it afterwards, on their own time."""
-        tensors = [(name, tensor) async for name, tensor in ensure_async_iterator(weights)]
-        if not self.is_master:
-            return {}
+        """Publish `weights` as version `global_steps` (else the next one).
+
+        Sharded (`publish: sharded`, more than one trainer rank): every rank keeps its
+        dim-0 rows of each weight as it comes, lets the whole weight go, and publishes
+        them as its shard of the version; it returns once its shard is committed, and the
+        version turns READY when every rank's is. Whole: the master rank publishes every
+        weight and returns once the version is READY; the other ranks iterate them
+        (gathering a sharded weight is collective) and publish nothing. Either way the
+        trainer's cost is the copy into a slot; replicas read it afterwards, on their own
+        time. `transport_pull/held_bytes_peak` says the most bytes of the weights this
+        rank held at once.
+
+        Raises:
+            InvalidArgumentError: (sharded) a weight has no dim 0, or is a DTensor not
+                placed `Shard(0)` over every trainer rank: publish whole instead.
+        """
+        index, count = trainer_place()
+        self.held = held = Held()
+        shard = None
+        if self.settings.publish == "sharded" and count > 1:
+            tensors, shard = await take_shard(weights, index, count, self.settings.rollout_dtype, held)
+        else:
+            tensors = []
+            async for name, tensor in ensure_async_iterator(weights):
+                held.taking(_nbytes(tensor))
+                if self.is_master:
+                    tensors.append((name, tensor))
+                    held.keep(_nbytes(tensor))
+            if not self.is_master:
+                return {}
         version = self._next_version(global_steps)
         if self._sending is None:
             self._sending = Sending(self._shared_loop(), self.settings, self.bucket_size)
-        metrics = await self._sending.publish(version, tensors)
+        metrics = await self._sending.publish(version, tensors, shard)
+        del tensors
         self._last_sent = version
-        return metrics
+        return {**metrics, "transport_pull/held_bytes_peak": held.peak}
 
     def _next_version(self, global_steps: int | None) -> int:
         """`global_steps`, the trainer's step, when it is newer than the last version sent;
@@ -133,8 +165,14 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         pulled = await run(receiving.take)
         applied = False
         try:
-            for name, tensor in as_tensors(pulled.layout, pulled.region).items():
-                yield name, tensor
+            if isinstance(pulled, SlicePulled):
+                assert receiving.rank_slice is not None
+                mirror = as_tensors(pulled.plan.mirror, pulled.region)
+                for name, tensor in checkpoint_tensors(pulled.manifest.layout, receiving.rank_slice, mirror):
+                    yield name, tensor
+            else:
+                for name, tensor in as_tensors(pulled.layout, pulled.region).items():
+                    yield name, tensor
             applied = True
         finally:
             await run(receiving.give_back, pulled.version, applied)
@@ -154,8 +192,20 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         return None if self._receiving is None else self._receiving.received
 
     @property
+    def rank_slice(self) -> Any:
+        """A sliced replica worker's `RankSlice` once it pulled (None elsewhere): which box
+        of each weight it read, so which elements of what it yields hold the weights."""
+        return None if self._receiving is None else self._receiving.rank_slice
+
+    @property
+    def pull_figures(self) -> dict[str, int]:
+        """A replica worker's pulls so far and the bytes its last one read."""
+        r = self._receiving
+        return {} if r is None else {"pulls": r.pulls, "bytes_read": r.bytes_read}
+
+    @property
     def publisher(self) -> Any:
-        """The trainer master's `Publisher` once it published (None elsewhere)."""
+        """This trainer rank's `Publisher` once it published (None elsewhere)."""
         return None if self._sending is None else self._sending.publisher
 
     @property
@@ -165,8 +215,20 @@ class TransportPullCheckpointEngine(CheckpointEngine):
 
     def _receiver(self) -> Receiving:
         if self._receiving is None:
-            self._receiving = Receiving(self._shared_loop(), self.settings)
+            rank = self._rollout_rank() if self.settings.slices else None
+            self._receiving = Receiving(self._shared_loop(), self.settings, rank)
         return self._receiving
+
+    def _rollout_rank(self) -> int:
+        """This rollout worker's tensor-parallel rank: its rank in the rollout's worker
+        group (verl's `Worker` sets `RANK`) modulo the tensor-parallel size, as verl's
+        server adapter pairs workers with the engine's ranks."""
+        rank = os.environ.get("RANK")
+        if rank is None or not rank.isdigit():
+            raise InvalidArgumentError(
+                f"transport_pull.sliced needs the rollout worker's rank in $RANK (verl's Worker sets it), got {rank!r}"
+            )
+        return int(rank) % self.settings.tensor_parallel_size
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -184,3 +246,7 @@ class TransportPullCheckpointEngine(CheckpointEngine):
             sending.close()
         if receiving is not None:
             receiving.close()
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size()) if isinstance(t, torch.Tensor) else 0

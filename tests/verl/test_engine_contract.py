@@ -1,9 +1,11 @@
 """What verl asks of every checkpoint engine, checked in one process against verl's own
 registry and manager code: found by name once `custom_backend_module` is imported, built
 from `engine_kwargs` with verl's arguments, a topology of the lengths verl's manager
-asserts; and bad settings refused at construction with a typed error naming them."""
+asserts; bad settings refused at construction with a typed error naming them, and weights
+a sharded publish cannot take refused before anything is published."""
 
 import pytest
+import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 
@@ -39,8 +41,13 @@ def test_the_topology_has_one_entry_per_worker():
         TransportPullCheckpointEngine.build_topology(1, 1, [{"registry": "ray://a"}, {"registry": "ray://b"}])
 
 
-async def test_a_trainer_rank_that_is_not_the_master_takes_part_and_publishes_nothing():
-    engine = new(is_master=False, registry="ray://never-reached")
+@pytest.mark.parametrize("world", [None, "2"], ids=["one-rank", "whole-of-two"])
+async def test_a_trainer_rank_that_is_not_the_master_takes_part_and_publishes_nothing(monkeypatch, world):
+    """Publishing whole: asked for, or a lone trainer rank (its one shard is the whole)."""
+    if world is not None:
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", world)
+    engine = new(is_master=False, registry="ray://never-reached", publish="whole" if world else "sharded")
     taken = []
 
     def weights():
@@ -63,6 +70,13 @@ async def test_a_trainer_rank_that_is_not_the_master_takes_part_and_publishes_no
         ("rollout_dtype", "float7", InvalidArgumentError, "rollout_dtype"),
         ("registry", "localhost", InvalidArgumentError, "registry"),
         ("slots", 2, InvalidArgumentError, "slots"),
+        ("publish", "scattered", InvalidArgumentError, "publish"),
+        ("sliced", "yes", InvalidArgumentError, "sliced"),
+        ("sliced", 1, InvalidArgumentError, "sliced"),
+        ("sliced", True, InvalidArgumentError, "sliced is true but tensor_parallel_size is 1"),
+        ("tensor_parallel_size", 0, InvalidArgumentError, "tensor_parallel_size"),
+        ("tensor_parallel_size", "2", InvalidArgumentError, "tensor_parallel_size"),
+        ("tensor_parallel_size", True, InvalidArgumentError, "tensor_parallel_size"),
     ],
 )
 def test_bad_settings_are_refused_by_name(setting, value, error, named):
@@ -76,3 +90,32 @@ def test_rollout_dtype_takes_verls_spellings():
 
     assert new(rollout_dtype=torch.bfloat16).settings.rollout_dtype == "bfloat16"
     assert new(rollout_dtype=None).settings.rollout_dtype is None
+
+
+def test_sliced_is_auto_by_default_and_follows_the_tensor_parallel_size():
+    assert new().settings.slices is False  # one rank: it reads the whole anyway
+    assert new(tensor_parallel_size=2).settings.slices is True
+    assert new(tensor_parallel_size=2, sliced=False).settings.slices is False
+    assert new(tensor_parallel_size=4, sliced=True).settings.slices is True
+
+
+def test_a_sliced_worker_without_a_rank_is_refused_saying_where_it_comes_from(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    engine = new(tensor_parallel_size=2, registry="ray://never-reached")
+    with pytest.raises(InvalidArgumentError, match=r"\$RANK"):
+        engine.prefetch()
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "named"),
+    [
+        ("step", torch.tensor(3.0), "'step' is a scalar.*publish to 'whole'"),
+    ],
+)
+async def test_a_weight_a_shard_cannot_hold_is_refused_before_anything_is_published(monkeypatch, name, tensor, named):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    engine = new(is_master=True, registry="ray://never-reached")
+    with pytest.raises(InvalidArgumentError, match=named):
+        await engine.send_weights(iter([("w", torch.ones(4, 2)), (name, tensor)]), global_steps=1)
+    assert engine.publisher is None

@@ -5,6 +5,9 @@ what it was given (there is no inference server on a CPU machine)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
@@ -31,6 +34,24 @@ def rollout_view(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> d
     return {n: t.to(dtype) if dtype is not None and t.dtype == torch.float32 else t.clone() for n, t in state.items()}
 
 
+class Live:
+    """Bytes of the weights a trainer's iterator yielded that are still alive, and the
+    most at once: what a rank held of what verl's iterator gathered for it."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self._gone, n)
+        return t
+
+    def _gone(self, n: int) -> None:
+        self.now -= n
+
+
 class TrainerWorker(Worker):
     """A trainer rank: a tiny Llama (the same on every rank) and the engine verl's
     TrainingWorker would build for it."""
@@ -55,9 +76,29 @@ class TrainerWorker(Worker):
             for p in self.model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.01)
 
+    def gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What verl's FSDP engine yields (`get_per_tensor_param`): each weight whole, a
+        new tensor (its `full_tensor()`), one at a time."""
+        self.live = Live()
+        for name, tensor in self.model.state_dict().items():
+            yield name, self.live.track(tensor.detach().clone())
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
-        return await self.checkpoint_engine.send_weights(iter(self.model.state_dict().items()), global_steps)
+        self.last_metrics = await self.checkpoint_engine.send_weights(self.gathered(), global_steps)
+        return self.last_metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def memory(self) -> dict[str, int]:
+        """What the last update held on this rank: the most bytes of the yielded weights
+        alive at once, the most the engine held (its own count), and each slot's size."""
+        publisher = self.checkpoint_engine.publisher
+        slots = [] if publisher is None else [s.region.nbytes for s in publisher.slots if s.region is not None]
+        return {
+            "live_peak": self.live.peak,
+            "held_peak": self.last_metrics.get("transport_pull/held_bytes_peak", 0),
+            "slot_bytes": max(slots, default=0),
+        }
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args, **kwargs):
@@ -100,14 +141,18 @@ class RolloutWorker(CheckpointEngineWorker):
         super().__init__(rollout_config, model_config, KeepingAdapter(rollout_config, model_config))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def received(self) -> tuple[dict[str, torch.Tensor], list, int | None, dict]:
+    def received(self) -> tuple[dict[str, torch.Tensor], list, int | None, dict, dict | None]:
+        """What the adapter was given, at which steps, the version received, the pulls'
+        figures and (sliced) the box of each weight this worker read."""
         engine = self.checkpoint_engine
-        puller = engine.puller
+        sliced = engine.rank_slice
+        boxes = None if sliced is None else {p.name: [pc.box for pc in p.pieces] for p in sliced.params}
         return (
             self.server_adapter.received,
             self.server_adapter.steps,
             engine.received_version,
-            {} if puller is None else puller.metrics(),
+            engine.pull_figures,
+            boxes,
         )
 
 
