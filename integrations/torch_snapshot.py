@@ -246,6 +246,11 @@ class SnapshotPublisher:
     def name(self) -> str:
         return self.publisher.name
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the coroutine function `fn(*args)` on the publisher's event loop, where its
+        registry client lives, and return its result (blocking)."""
+        return self._portal.call(fn, *args)
+
     @property
     def staging(self) -> Staging:
         """The staging buffer, allocated at first use (a streaming publish of whole

@@ -17,9 +17,8 @@ from typing import Any
 import anyio
 import attrs
 
-from weightpull import errors
 from weightpull.clock import Clock, MonotonicClock
-from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
+from weightpull.errors import ApplyError, InvalidArgumentError, PullError
 from weightpull.puller import check_line
 from weightpull.records import PullReport
 from weightpull.registry import Registry
@@ -27,18 +26,8 @@ from weightpull.rl.agent import PauseMode, UpdateAgent
 from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.staleness import Trajectory
 
+from .mirrors import error_from_info
 from .worker import WORKER_EXTENSION
-
-
-def _error(info: Mapping[str, str]) -> WeightpullError:
-    """Rebuild a worker's error from its plain-data form, as its weightpull type if any."""
-    cls = getattr(errors, info["type"], None)
-    if isinstance(cls, type) and issubclass(cls, WeightpullError) and cls is not ApplyError:
-        try:
-            return cls(info["message"])
-        except TypeError:
-            pass
-    return PullError(f"{info['type']}: {info['message']}")
 
 
 def _relay_host(_: Any, __: attrs.Attribute[str | None], host: str | None) -> None:
@@ -177,7 +166,7 @@ class VllmEngine:
         `UnsupportedModelError` for a model whose updates cannot be made whole."""
         for status in await self._rpc("weightpull_start", attrs.asdict(spec)):
             if status.get("error"):
-                raise _error(status["error"])
+                raise error_from_info(status["error"])
 
     async def prepare(self) -> None:
         """Before the first version (the update agent calls it once): every worker maps
@@ -189,7 +178,7 @@ class VllmEngine:
         while True:
             for status in statuses:
                 if status["error"] is not None:
-                    raise _error(status["error"])
+                    raise error_from_info(status["error"])
             if all(s["pulled"] == version for s in statuses):
                 self._last_pull = _pull_report(statuses)
                 return
@@ -226,7 +215,7 @@ class VllmEngine:
                 ),
                 version=version,
                 restored=last_good,
-            ) from _error(failed[0]["error"])
+            ) from error_from_info(failed[0]["error"])
         self.last_apply = results[0]
         await self._rpc("weightpull_commit", version)
         # Blocks cached under the old weights must not be reused; requests frozen by a

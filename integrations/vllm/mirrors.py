@@ -21,14 +21,15 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, cast
 
 import anyio
 import anyio.from_thread
 import torch
 
-from weightpull.errors import InvalidArgumentError, PullError, WeightpullError
+from weightpull import errors
+from weightpull.errors import ApplyError, InvalidArgumentError, PullError, WeightpullError
 from weightpull.puller import Pulled, Puller
 from weightpull.registry import Registry, RelayingRegistry
 from weightpull.slice_puller import SlicePulled, SlicePuller
@@ -157,6 +158,18 @@ def error_info(exc: BaseException) -> dict[str, str]:
     return {"type": type(exc).__name__, "message": str(exc)}
 
 
+def error_from_info(info: Mapping[str, str]) -> WeightpullError:
+    """Rebuild an error from its plain-data form (`error_info`), as its weightpull type
+    where it has one that takes a message alone, else as a `PullError` naming the type."""
+    cls = getattr(errors, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, WeightpullError) and cls is not ApplyError:
+        try:
+            return cls(info["message"])
+        except TypeError:
+            pass
+    return PullError(f"{info['type']}: {info['message']}")
+
+
 class BackgroundPulls:
     """A `MirrorPair` on an event loop in its own thread, driven from a synchronous one.
 
@@ -251,6 +264,11 @@ class BackgroundPulls:
             raise PullError(f"the pull of v{version} was cancelled") from None
         self._future, self._version = None, None
         return pulled
+
+    def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run `fn(*args)` on the pulls' event loop, where the registry's client lives
+        (`pair.registry`), and return its result (blocking)."""
+        return self._portal.call(fn, *args)
 
     def close(self) -> None:
         """Stop the pull under way, then deregister the mirrors: a relay's once its offers

@@ -176,12 +176,24 @@ class WeightpullWorker:
         try:
             pulled = pulls.take(version, timeout)
         except Exception as exc:  # nothing was touched: the model still serves its version
-            return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_serving()}
+            return {
+                "ok": False,
+                "version": version,
+                "stage": "pull",
+                "error": error_info(exc),
+                "restored": self._weightpull_serving(),
+            }
         try:
             report = self._weightpull_load(pulled)
         except Exception as exc:
             log.error("applying v%s failed (%s: %s); restoring the last good version", version, type(exc).__name__, exc)
-            return {"ok": False, "version": version, "error": error_info(exc), "restored": self._weightpull_restore()}
+            return {
+                "ok": False,
+                "version": version,
+                "stage": "load",
+                "error": error_info(exc),
+                "restored": self._weightpull_restore(),
+            }
         self._weightpull_applied = pulled
         return {"ok": True, "version": version, "seconds": time.perf_counter() - started, **report.as_dict()}
 
