@@ -157,19 +157,25 @@ class Receiving:
         last = self._last
         if last is not None and self.mirror_version == newest.version == last.version:
             return last
-        if self.rank is not None:
-            await self._slice_for(await self.registry.get(newest.version))
+        if self.rank is not None:  # the newest READY manifest, even if `newest` was retired meanwhile
+            await self._slice_for(await self.registry.wait_for_version(newest.version))
         assert self.puller is not None
         for attempt in range(TORN_RETRIES):
             try:
-                self._last = await self.puller.pull()
-                self.pulls, self.bytes_read = self.pulls + 1, self._last.nbytes
-                return self._last
+                pulled = await self.puller.pull()
             except TornReadError:
                 if attempt == TORN_RETRIES - 1:
                     raise
                 log.warning("%s: torn read, pulling the newer version", self.holder)
-        raise AssertionError("unreachable")
+                continue
+            if isinstance(pulled, SlicePulled) and pulled.manifest.layout.signature != self._sliced_for:
+                # A newer version of another shape came between: its own slice, read again.
+                await self._slice_for(pulled.manifest)
+                continue
+            self._last = pulled
+            self.pulls, self.bytes_read = self.pulls + 1, pulled.nbytes
+            return pulled
+        raise TornReadError(f"{self.holder}: no version stayed put for {TORN_RETRIES} pulls")
 
     async def _slice_for(self, manifest: Manifest) -> None:
         """A slice puller for `manifest`'s layout: the one made before while the layout
