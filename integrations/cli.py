@@ -880,8 +880,10 @@ def _bench_parser(sub: Any) -> None:
     registry.set_defaults(func=_bench_registry)
 
     from weightpull.integrations.bench.fanout import add_parser as fanout_parser  # `bench fanout`
+    from weightpull.integrations.bench.vllm_engine import add_parser as vllm_parser  # `bench vllm`
 
     fanout_parser(figures)
+    vllm_parser(figures)
 
 
 def _key_arguments(p: argparse.ArgumentParser) -> None:
