@@ -35,7 +35,7 @@ from weightpull.slice_puller import SlicePulled
 
 from . import loop
 from .settings import Settings
-from .shards import Held, take_shard, trainer_place
+from .shards import Held, nbytes, take_shard, trainer_place
 from .sides import Receiving, Sending
 from .slicing import checkpoint_tensors
 
@@ -114,8 +114,8 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         rank held at once.
 
         Raises:
-            InvalidArgumentError: (sharded) a weight has no dim 0, or is a DTensor not
-                placed `Shard(0)` over every trainer rank: publish whole instead.
+            InvalidArgumentError: (sharded) a weight has no dim 0, or is a DTensor on a
+                mesh that orders the trainer ranks otherwise: publish whole instead.
         """
         index, count = trainer_place()
         self.held = held = Held()
@@ -125,10 +125,11 @@ class TransportPullCheckpointEngine(CheckpointEngine):
         else:
             tensors = []
             async for name, tensor in ensure_async_iterator(weights):
-                held.taking(_nbytes(tensor))
+                size = nbytes(tensor) if isinstance(tensor, torch.Tensor) else 0
+                held.taking(size)
                 if self.is_master:
                     tensors.append((name, tensor))
-                    held.keep(_nbytes(tensor))
+                    held.keep(size)
             if not self.is_master:
                 return {}
         version = self._next_version(global_steps)
@@ -246,7 +247,3 @@ class TransportPullCheckpointEngine(CheckpointEngine):
             sending.close()
         if receiving is not None:
             receiving.close()
-
-
-def _nbytes(t: Any) -> int:
-    return int(t.numel()) * int(t.element_size()) if isinstance(t, torch.Tensor) else 0

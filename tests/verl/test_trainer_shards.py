@@ -1,7 +1,8 @@
 """A trainer rank's shard of what verl's iterator yields (`shards.take_shard`), in one
 process: its dim-0 rows of each whole weight, copied in the slot's dtype with the whole
-one let go; a DTensor's own rows as they are, nothing gathered; what a shard cannot be
-refused, naming the setting that publishes it whole."""
+one let go; a DTensor's own rows as they are, nothing gathered; one placed otherwise
+gathered first; what a shard cannot be refused, naming the setting that publishes it
+whole."""
 
 import pytest
 import torch
@@ -67,15 +68,17 @@ async def test_a_dtensors_own_rows_are_published_as_they_are(two_ranks):
     assert sharding.starts == {"embed": 4} and sharding.shapes == {"embed": (7, 4)}
 
 
-@pytest.mark.parametrize(
-    ("placement", "index", "named"),
-    [
-        (Replicate(), 1, r"placed \(Replicate\(\),\).*publish to 'whole'"),
-        (Shard(0), 0, "shard 1 of 2 but this trainer rank is 0"),
-    ],
-)
-async def test_a_dtensor_a_shard_cannot_take_is_refused_naming_the_whole_setting(two_ranks, placement, index, named):
+async def test_a_dtensor_placed_otherwise_is_gathered_then_taken_as_a_whole_weight(two_ranks):
     full = whole("embed")
-    d = DTensor.from_local(full[4:7].clone(), two_ranks, [placement], shape=full.shape, stride=full.stride())
-    with pytest.raises(InvalidArgumentError, match=named):
-        await take_shard([("embed", d)], index, 2, "bfloat16", Held())
+    d = DTensor.from_local(full.clone(), two_ranks, [Replicate()], shape=full.shape, stride=full.stride())
+    held = Held()
+    local, sharding = await take_shard([("embed", d)], 1, 2, "bfloat16", held)
+    assert torch.equal(local[0][1], full[4:7].to(torch.bfloat16)) and sharding.starts == {"embed": 4}
+    assert held.peak == full.numel() * 4  # the gathered whole weight, while its rows were copied
+
+
+async def test_a_mesh_in_another_order_than_the_trainer_ranks_is_refused_naming_the_whole_setting(two_ranks):
+    full = whole("embed")
+    d = DTensor.from_local(full[4:7].clone(), two_ranks, [Shard(0)], shape=full.shape, stride=full.stride())
+    with pytest.raises(InvalidArgumentError, match="shard 1 of 2 but this trainer rank is 0.*publish to 'whole'"):
+        await take_shard([("embed", d)], 0, 2, "bfloat16", Held())
