@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -196,8 +197,10 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     # The widest word the size allows: 8-byte words need no widening, and move the least.
     width = next(w for w in (8, 4, 2, 1) if raw.numel() % w == 0)
     words = raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+    if t.is_cuda and words.numel() and _kernel() is not None:
+        return _kernel().fingerprint(words)  # one pass over the bytes, the same value
     total = torch.zeros((), dtype=torch.int64, device=t.device)
-    weights = _weights(t.device)
+    weights = _weights(t.device, _CHUNK)
     for start in range(0, words.numel(), _CHUNK):  # a chunk starts at a multiple of the period
         chunk = words[start : start + _CHUNK]
         total += (chunk * weights[: chunk.numel()]).sum()  # int64, wrapping modulo 2**64
@@ -205,5 +208,21 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _weights(device: torch.device) -> torch.Tensor:
-    return torch.arange(_CHUNK, device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
+def _weights(device: torch.device, size: int) -> torch.Tensor:
+    return torch.arange(size, device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel's module, where Triton imports (a CUDA machine); else None, and
+    CUDA tensors take the torch path (exact too, in several passes)."""
+    try:
+        from . import fingerprint_kernel
+    except ImportError:
+        return None
+    return fingerprint_kernel
+
+
+def fingerprint_implementation() -> str:
+    """Which path CUDA tensors' fingerprints take here: "triton" or "torch"."""
+    return "triton" if _kernel() is not None else "torch"

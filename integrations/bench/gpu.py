@@ -35,7 +35,7 @@ import torch
 
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, create_transport
 from weightpull.integrations.processes import owns_children
-from weightpull.integrations.torch_tensors import as_tensors
+from weightpull.integrations.torch_tensors import as_tensors, fingerprint_implementation
 from weightpull.integrations.torch_tensors import fingerprints as checksums  # exact on any device
 from weightpull.layout import Layout
 
@@ -275,12 +275,14 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
         "fingerprint_gbps": round(nbytes / statistics.median(fingerprint_s) / 1e9, 1),
         "check_ms": round(check * 1e3, 2),
         "check_over_apply": round(check / apply, 2),
+        "fingerprint_by": fingerprint_implementation(),  # "triton": one pass; "torch": several
         "exact": exact and caught,
     }
     say(
         f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms "
         f"(a clone {result['clone_ms']} ms + 2 fingerprints of {result['fingerprint_ms']} ms, "
-        f"{result['fingerprint_gbps']} GB/s): {result['check_over_apply']}x the apply; "
+        f"{result['fingerprint_gbps']} GB/s, by {result['fingerprint_by']}): check/apply "
+        f"{result['check_over_apply']}x; "
         f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}"
     )
     return result

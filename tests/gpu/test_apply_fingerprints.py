@@ -32,3 +32,28 @@ def test_fingerprints_on_the_gpu_equal_the_hosts_and_show_a_stale_weight():
 def test_the_apply_check_bench_runs_and_is_exact():
     result = bench_apply_check(1, lambda line: None)
     assert result["exact"] and result["check_ms"] > 0 and result["bytes"] > 16e9
+
+
+def test_the_triton_kernel_is_the_one_taken_and_equals_the_hosts_on_the_same_bytes():
+    import pytest
+
+    from weightpull.integrations.torch_tensors import fingerprint_implementation
+
+    assert fingerprint_implementation() == "triton"  # Triton comes with torch on a CUDA machine
+    generator = torch.Generator(device="cuda:0").manual_seed(4)
+    cases = {
+        "bf16 odd": torch.randn(4097, 3, device="cuda:0", generator=generator).bfloat16(),  # 2-byte words
+        "fp32": torch.randn(65521 * 3 + 1, device="cuda:0", generator=generator),  # 4-byte words
+        "int64 spans": torch.randint(-(2**62), 2**62, (2048 * 16 * 3 + 5,), device="cuda:0", generator=generator),
+        "uint8 odd": torch.randint(0, 256, (131071,), device="cuda:0", generator=generator, dtype=torch.uint8),
+        "fp16 one": torch.ones(1, device="cuda:0", dtype=torch.float16),
+        "large": torch.randint(0, 256, ((1 << 31) + 24,), device="cuda:0", generator=generator, dtype=torch.uint8),
+    }
+    on_gpu = fingerprints(cases)
+    assert on_gpu == fingerprints({n: t.cpu() for n, t in cases.items()})
+    for name, t in cases.items():
+        raw = t.view(-1).view(torch.uint8)
+        raw[raw.numel() // 2] ^= 1  # one bit, somewhere in the middle
+        assert fingerprints({name: t})[name] != on_gpu[name], name
+    if on_gpu["large"] == 0:
+        pytest.fail("the large tensor's fingerprint is 0: its programs past 2**31 bytes did nothing")
