@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 PERIOD = 65521
-BLOCK = 2048  # words a program loads at once (8 KiB... 16 KiB of int64 words); <= PERIOD
+BLOCK = 2048  # words a program loads at once (16 KiB of 8-byte words); at most PERIOD
 SPAN = BLOCK * 16  # words a program sums
 
 
