@@ -347,6 +347,11 @@ async def run(cfg: VllmBenchConfig, say: Callable[[str], None]) -> dict[str, Any
         raise ValueError(f"unknown preset {cfg.preset!r}: one of {', '.join(MODELS)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported, here and in its processes
     import torch
+
+    if cfg.baseline and torch.cuda.is_available():
+        # The ipc backend's handles name torch types, which vLLM's RPC pickles only with
+        # this set (its RL examples set it too); before vLLM reads its settings.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import vllm
 
     from weightpull import InProcessRegistry, Publisher, create_transport
