@@ -212,6 +212,7 @@ class SlicePuller:
         self.mirror: Region | None = None
         self.mirror_version: int | None = None
         self._mirror_layout: str | None = None
+        self._clean = True  # the bytes no read of the slots writes are zero
         self._plans: OrderedDict[tuple[int, str, tuple[bytes, ...]], SlicePlan] = OrderedDict()
         self._remotes = Connections(self.transport)
         self._lock: anyio.Lock | None = None
@@ -304,6 +305,8 @@ class SlicePuller:
             if lease.source:
                 lease, renewals = await self._from_relay(lease, pacer, manifest, plan, mirror)
             else:
+                if not self._clean:  # a relay's failed copy left bytes where no read of the plan writes
+                    mirror = self._mirror_for(plan, fresh=True)
                 remotes = [self._remote(s, keep=len(plan.sources)) for s in plan.sources]
                 try:
                     lease, renewals = await self._read_all(lease, pacer, manifest, plan, remotes, mirror)
@@ -456,6 +459,7 @@ class SlicePuller:
             )
             await slice_digests.verify(layout, mirror, digests, self.digester, version=manifest.version, source=source)
         except (TransportError, NoProgressError, DigestMismatchError, NoSourceError) as exc:
+            self._clean = False  # its bytes may lie in the padding too, which a read of the slots never writes
             self._remotes.forget([lease.descriptor])
             raise _SourceFailed(source, lease.version) from exc
         return lease, renewals
@@ -479,16 +483,18 @@ class SlicePuller:
         except WeightpullError as exc:
             log.warning("%s: could not offer v%s's slice as a relay: %s", self.holder, pulled.version, exc)
 
-    def _mirror_for(self, plan: SlicePlan) -> Region:
-        """This rank's mirror; a new one only when the plan needs more room. Bytes no read
-        writes (a vocab's padding rows) stay as allocated: zero. A new mirror only when
-        its layout changes (rare: the model changed shape)."""
-        if self.mirror is not None and self._mirror_layout == plan.mirror.signature:
+    def _mirror_for(self, plan: SlicePlan, *, fresh: bool = False) -> Region:
+        """This rank's mirror. Bytes no read of the slots writes (a vocab's padding rows,
+        alignment) stay as allocated: zero. A new mirror only when its layout changes
+        (rare: the model changed shape), or, `fresh`, after a relay's copy failed in it
+        (its bytes may lie there: a read of the slots would leave them)."""
+        if not fresh and self.mirror is not None and self._mirror_layout == plan.mirror.signature:
             return self.mirror
-        if self.mirror is not None:  # another layout: a fresh mirror, so its unread bytes are zero
+        if self.mirror is not None:  # a fresh mirror, so its unread bytes are zero
             self.transport.deregister(self.mirror)
         self.mirror = self.transport.allocate(plan.mirror.total_bytes, self.device)
         self._mirror_layout = plan.mirror.signature
+        self._clean = True
         return self.mirror
 
     def _remote(self, descriptor: bytes, keep: int = 1) -> Remote:

@@ -41,7 +41,7 @@ except ValueError:
 # The tests that share the long profile's budget; those this session runs that have not
 # started yet (fuzz/conftest.py narrows it to those collected); when the budget ends,
 # counted from the first one's start.
-FUZZERS = ("test_concurrent_actors", "test_protocol", "test_principals", "test_relays")
+FUZZERS = ("test_concurrent_actors", "test_protocol", "test_principals", "test_relays", "test_slice_relays")
 pending: list[str] = list(FUZZERS)
 deadline: float | None = None
 

@@ -204,6 +204,19 @@ async def test_a_relays_changed_bytes_are_caught_and_the_slice_read_from_the_tra
     assert "does not match its digest from the layout's first copy of the trainer's slot" in caplog.text
 
 
+async def test_a_relays_bad_padding_is_not_left_in_the_slice_read_again_from_the_trainer(world):
+    """A read of the trainer's slots never writes a vocab's padding rows (they stay zero, as
+    allocated): after a relay's copy failed, the slice is read into a fresh mirror."""
+    _, full, a, b = await _two_replicas(world)
+    got = await a[1].pull()
+    embed = got.plan.mirror["embed"]
+    padding = embed.offset + 10 * 16 * 4  # rank 1 of 2 holds rows 12-23 of the 24 padded: 22 and 23 are padding
+    a[1].mirror.host_view()[padding + 5] ^= 0xFF
+    pulled = await b[1].pull()
+    assert pulled.source == ""
+    _check(pulled, full, 1, 2)  # the padding rows zero
+
+
 async def test_a_relay_gone_mid_serve_sends_its_reader_to_the_trainer(world, caplog):
     _, full, a, b = await _two_replicas(world)
     await a[1].pull()
