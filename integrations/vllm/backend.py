@@ -185,6 +185,12 @@ class _Worker(WeightpullWorker):
         self.rank = rank
 
 
+def _noting(exc: WeightpullError, note: str) -> WeightpullError:
+    """`exc` with `note` added to its message (its type and attributes kept)."""
+    exc.args = (f"{exc}; {note}", *exc.args[1:])
+    return exc
+
+
 def _group() -> Any:
     """This engine's workers (tensor and pipeline parallel): they apply as one."""
     from vllm.distributed import get_world_group
@@ -260,8 +266,12 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             pulls.prefetch(version)
             return
         with self._lock:
-            if pulls.status()["pulled"] != version and pulls.status()["pending"] != version:
-                self._wait_published(version, update_info.timeout)
+            status = pulls.status()
+            if version not in (status["pulled"], status["pending"]):
+                try:
+                    self._wait_published(version, update_info.timeout)
+                except WeightpullError as exc:
+                    raise _noting(exc, f"the replica still serves {self.serving()!r}") from None
                 pulls.prefetch(version)
             result = self._worker.weightpull_apply(version, update_info.timeout)
             if self._agree(bool(result["ok"])):
@@ -274,15 +284,18 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     version=version,
                     restored=restored,
                 )
-        cause = error_from_info(result["error"])
-        held = f"the replica still serves {result['restored']!r}"
+        cause, restored = error_from_info(result["error"]), result["restored"]
         if result.get("stage") == "pull":  # nothing was touched
-            raise type(cause)(f"{cause}; {held}") if type(cause) is not ApplyError else cause
+            raise _noting(cause, f"the replica still serves {restored!r}")
         raise ApplyError(
             f"applying v{version} failed ({type(cause).__name__}: {cause}); "
-            + (held if result["restored"] is not None else "the last good version could not be restored: do not serve"),
+            + (
+                f"the replica holds {restored!r} again"
+                if restored is not None
+                else "the last good version could not be restored: do not serve"
+            ),
             version=version,
-            restored=result["restored"],
+            restored=restored,
         ) from cause
 
     def finish_weight_update(self) -> None:

@@ -161,6 +161,9 @@ class ServerAgent:
                 min_version_lag=self._options.min_version_lag,
                 publisher=self._spec.publisher,
             )
+            serving = self.control.engine.serving()
+            if isinstance(serving, int):  # a version loaded before the agent started
+                self.agent.serving = serving
             await self.agent.run()
 
     def stop(self) -> None:

@@ -137,3 +137,15 @@ def save(model: Any, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> P
 
     copy.deepcopy(model).to(dtype).save_pretrained(path)
     return Path(path)
+
+
+def save_tiny_tokenizer(path: str | Path) -> None:
+    """Save a word-level tokenizer of the tiny model's vocabulary ("t0" ... "t1023") beside
+    it, for servers that need one (`vllm serve`'s completions route): made here, no downloads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0").save_pretrained(path)
