@@ -21,7 +21,7 @@ import math
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Self, Unpack, cast
+from typing import Self, TypeVar, Unpack, cast
 
 import anyio
 import attrs
@@ -85,6 +85,8 @@ __all__ = [  # what other modules took from here before the lease client and rel
 log = logging.getLogger(__name__)
 
 _MAX_REMOTES = 16
+_T = TypeVar("_T")
+
 MAX_SOURCE_TRIES = 3  # sources a pull with host= tries before it fails
 # Reads a relaying pull keeps in flight, taken in bucket order. Reads asked together share
 # the link and land together (NIXL over UCX's tcp interleaves them: 16 buckets asked at once
@@ -102,6 +104,39 @@ class _SourceFailed(Exception):
     def __init__(self, source: str, version: int) -> None:
         super().__init__(f"relay {source!r} failed v{version}")
         self.source, self.version = source, version
+
+
+async def from_sources(
+    pull: Callable[[int | None, list[str]], Awaitable[_T]],
+    version: int | None,
+    *,
+    holder: str,
+    what: str = "",
+    on_failure: Callable[[], Awaitable[None]] | None = None,
+) -> _T:
+    """`pull(version, exclude)`, again with the failed relay excluded each time one
+    raises `_SourceFailed` (after `on_failure`), `MAX_SOURCE_TRIES` sources at most: the
+    same version, from elsewhere, so a copy never mixes two sources. `what` follows the
+    version in the warning ("'s slice")."""
+    failed: list[str] = []
+    while True:
+        try:
+            return await pull(version, failed)
+        except _SourceFailed as exc:
+            if on_failure is not None:
+                await on_failure()
+            failed.append(exc.source)
+            version = exc.version
+            if len(failed) >= MAX_SOURCE_TRIES:
+                raise exc.__cause__ or exc from None
+            log.warning(
+                "%s: relay %r failed v%s%s (%s); reading it afresh elsewhere",
+                holder,
+                exc.source,
+                exc.version,
+                what,
+                exc.__cause__,
+            )
 
 
 @attrs.frozen
@@ -611,30 +646,17 @@ class Puller:
         return out
 
     async def _pull_from_sources(self, version: int | None) -> Pulled:
-        """`_pull`, again from another source each time a relay fails it (host= only)."""
-        failed: list[str] = []
-        while True:
-            try:
-                pulled = await self._pull(version, exclude=failed)
-            except _SourceFailed as exc:
-                await self.relays.stop_forwarding(pulled=False)
-                failed.append(exc.source)
-                version = exc.version  # the same version, from elsewhere: never a mix
-                if len(failed) >= MAX_SOURCE_TRIES:
-                    raise exc.__cause__ or exc from None
-                log.warning(
-                    "%s: relay %r failed v%s (%s); reading it afresh elsewhere",
-                    self.holder,
-                    exc.source,
-                    exc.version,
-                    exc.__cause__,
-                )
-            except BaseException:
-                await self.relays.stop_forwarding(pulled=False)
-                raise
-            else:
-                await self.relays.stop_forwarding(pulled=True)
-                return pulled
+        """`_pull`, again from another source each time a relay fails it (host= only); a
+        failed copy's forwarding is withdrawn before the next source is tried."""
+        try:
+            pulled = await from_sources(
+                self._pull, version, holder=self.holder, on_failure=lambda: self.relays.stop_forwarding(pulled=False)
+            )
+        except BaseException:
+            await self.relays.stop_forwarding(pulled=False)
+            raise
+        await self.relays.stop_forwarding(pulled=True)
+        return pulled
 
     async def _pull(self, version: int | None, exclude: list[str] | None = None) -> Pulled:
         started = self.clock.now()

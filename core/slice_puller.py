@@ -38,7 +38,7 @@ from .errors import (
 from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES
 from .leasing import FlatLeaseArgs, LeaseClient, Pacer
 from .manifest import Manifest
-from .puller import MAX_SOURCE_TRIES, check_transport
+from .puller import _SourceFailed, check_transport, from_sources
 from .records import Progress
 from .registry import Lease, Registry, SliceRelayingRegistry, StreamingRegistry, as_streaming
 from .relaying import RelayServer
@@ -63,14 +63,6 @@ class FlatSlicePullerArgs(FlatLeaseArgs, total=False):
     host: str | None  # RelaySettings
     relay: bool  # RelaySettings
     relay_cap: int | None  # RelaySettings
-
-
-class _SourceFailed(Exception):
-    """A relay failed a pull (its cause says how): read the slice afresh elsewhere."""
-
-    def __init__(self, source: str, version: int) -> None:
-        super().__init__(f"relay {source!r} failed v{version}'s slice")
-        self.source, self.version = source, version
 
 
 @attrs.frozen
@@ -272,22 +264,7 @@ class SlicePuller:
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:
-            failed: list[str] = []
-            while True:
-                try:
-                    return await self._pull(version, failed)
-                except _SourceFailed as exc:
-                    failed.append(exc.source)
-                    version = exc.version  # the same version, from elsewhere: never a mix
-                    if len(failed) >= MAX_SOURCE_TRIES:
-                        raise exc.__cause__ or exc from None
-                    log.warning(
-                        "%s: relay %r failed v%s's slice (%s); reading it afresh elsewhere",
-                        self.holder,
-                        exc.source,
-                        exc.version,
-                        exc.__cause__,
-                    )
+            return await from_sources(self._pull, version, holder=self.holder, what="'s slice")
 
     async def _pull(self, version: int | None, exclude: list[str]) -> SlicePulled:
         started = self.clock.now()
