@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +213,6 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._info: InitInfo | None = None
         self._applied: int | None = None  # loaded on every worker, not yet committed
         self._agent: Any = None  # the first worker's `ServerAgent`, with `agent`
-        self._lock = threading.Lock()  # the agent's thread reads what the worker's changes
 
     @property
     def holder(self) -> str:
@@ -265,25 +263,24 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if update_info.prefetch:
             pulls.prefetch(version)
             return
-        with self._lock:
-            status = pulls.status()
-            if version not in (status["pulled"], status["pending"]):
-                try:
-                    self._wait_published(version, update_info.timeout)
-                except WeightpullError as exc:
-                    raise _noting(exc, f"the replica still serves {self.serving()!r}") from None
-                pulls.prefetch(version)
-            result = self._worker.weightpull_apply(version, update_info.timeout)
-            if self._agree(bool(result["ok"])):
-                self._applied = version
-                return
-            if result["ok"]:  # loaded here, failed on another worker: back to the last good one
-                restored = self._worker.weightpull_revert()
-                raise ApplyError(
-                    f"v{version} failed on another worker of this replica; every worker holds {restored!r} again",
-                    version=version,
-                    restored=restored,
-                )
+        status = pulls.status()
+        if version not in (status["pulled"], status["pending"]):
+            try:
+                self._wait_published(version, update_info.timeout)
+            except WeightpullError as exc:
+                raise _noting(exc, f"the replica still serves {self.serving()!r}") from None
+            pulls.prefetch(version)
+        result = self._worker.weightpull_apply(version, update_info.timeout)
+        if self._agree(bool(result["ok"])):
+            self._applied = version
+            return
+        if result["ok"]:  # loaded here, failed on another worker: back to the last good one
+            restored = self._worker.weightpull_revert()
+            raise ApplyError(
+                f"v{version} failed on another worker of this replica; every worker holds {restored!r} again",
+                version=version,
+                restored=restored,
+            )
         cause, restored = error_from_info(result["error"]), result["restored"]
         if result.get("stage") == "pull":  # nothing was touched
             raise _noting(cause, f"the replica still serves {restored!r}")
