@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightpull.errors import ApplyError, InvalidArgumentError, WeightpullError
 
 from .engine import PullSpec
-from .mirrors import BackgroundPulls, error_from_info
+from .mirrors import BackgroundPulls, error_from_info, error_info
 from .worker import WeightpullWorker
 
 log = logging.getLogger(__name__)
@@ -263,14 +263,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if update_info.prefetch:
             pulls.prefetch(version)
             return
-        status = pulls.status()
-        if version not in (status["pulled"], status["pending"]):
-            try:
-                self._wait_published(version, update_info.timeout)
-            except WeightpullError as exc:
-                raise _noting(exc, f"the replica still serves {self.serving()!r}") from None
-            pulls.prefetch(version)
-        result = self._worker.weightpull_apply(version, update_info.timeout)
+        result = self._pull_and_apply(version, update_info.timeout)
         if self._agree(bool(result["ok"])):
             self._applied = version
             return
@@ -294,6 +287,24 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             version=version,
             restored=restored,
         ) from cause
+
+    def _pull_and_apply(self, version: int, timeout: float) -> dict[str, Any]:
+        """`weightpull_apply`'s report; a version not published in time is a failed pull
+        like any other, so that every worker still joins the agreement that follows."""
+        status = self._pulls().status()
+        if version not in (status["pulled"], status["pending"]):
+            try:
+                self._wait_published(version, timeout)
+            except WeightpullError as exc:
+                return {
+                    "ok": False,
+                    "version": version,
+                    "stage": "pull",
+                    "error": error_info(exc),
+                    "restored": self.serving(),
+                }
+            self._pulls().prefetch(version)
+        return self._worker.weightpull_apply(version, timeout)
 
     def finish_weight_update(self) -> None:
         version, self._applied = self._applied, None
