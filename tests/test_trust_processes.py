@@ -398,6 +398,7 @@ class Flooder:
             "withdraw": self._withdraw,
             "readers_at": lambda: self.reg.readers_at(self.version(), self.name()),
             "reservations": lambda: self.reg.reservations(),
+            "part_digests": lambda: self.reg.part_digests(self.version(), self.part()),
         }
         assert self.acts.keys() == wire.OPS.keys(), "a flooder sends every operation of the protocol"
 
@@ -425,6 +426,10 @@ class Flooder:
         seen = [v.version for v in self.view.versions] if self.view is not None else []
         top = max(seen, default=0)
         return self.rng.choice([*seen, *seen, top + 1, top + self.rng.randrange(1, 4), 0])
+
+    def part(self) -> str:
+        """A slice layout's key: a plausible one, or one too long."""
+        return self.rng.choice(["tp2-rank0", "tp2-rank1", "x" * self.rng.choice([1, 300])])
 
     def lease(self) -> tuple[bool, Lease]:
         """A lease: another's that status listed (True), its own, or one it forged."""
@@ -573,6 +578,8 @@ class Flooder:
         self.mark_hostile(names=(holder,))
         descriptor = self.rng.randbytes(self.rng.randrange(1, 64))
         landed = self.rng.choice([None, None, self.rng.randrange(6)])
+        sliced = self.rng.random() < 0.3  # one rank's slice, vouched for by digests of its own or by none
+        digests = self.rng.choice([None, tuple(f"{self.rng.getrandbits(64):016x}" for _ in range(2))])
         await self.reg.offer(
             self.version(),
             holder=holder,
@@ -580,6 +587,7 @@ class Flooder:
             descriptor=descriptor,
             cap=self.rng.choice([None, 1]),
             landed=landed,
+            **({"part": self.part(), "digests": digests} if sliced else {}),
         )
 
     async def _mark_offer(self) -> None:
