@@ -476,17 +476,24 @@ def _bench_registry(args: argparse.Namespace) -> int:
     registry = _bench_module("registry", "service")
     from weightpull.drivers.zmq_registry.wire import load_secret
 
-    def measure(address: str, secret: bytes | None) -> Any:
-        return anyio.run(lambda: registry.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret))
+    async def measure(address: str, secret: bytes | None) -> Any:
+        return await registry.run_bench(address, clients=args.clients, seconds=args.seconds, secret=secret)
+
+    async def own() -> Any:
+        # The server is started inside the event loop, so that a SIGTERM, which its
+        # `Children` turns into a Ctrl-C, cancels the main task as asyncio's Ctrl-C does,
+        # instead of raising KeyboardInterrupt in whichever task runs then.
+        with registry.own_server() as (address, secret):
+            await registry.publish_one(address, secret)
+            return await measure(address, secret)
 
     address = _address(args)
     _client_keys(args)  # a key reaches the bench's clients through the environment
     if address:
-        result = measure(address, None if args.key else load_secret(args.secret_file))
+        secret = None if args.key else load_secret(args.secret_file)
+        result = anyio.run(measure, address, secret)
     else:
-        with registry.own_server() as (address, secret):
-            anyio.run(registry.publish_one, address, secret)
-            result = measure(address, secret)
+        result = anyio.run(own)
     print(json.dumps(result.to_dict()) if args.json else "\n".join(result.lines()))
     return 0
 

@@ -21,6 +21,7 @@ inside `anyio.run` for an async demo, so that it wraps asyncio's own Ctrl-C hand
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -140,6 +141,8 @@ class Children:
         self._lock = threading.RLock()  # a signal's handler may stop the children while `popen` holds it
         self._signalled: int | None = None
         self._watchdog: threading.Timer | None = None
+        self._task: asyncio.Task[Any] | None = None  # the event loop's main task, inside one
+        self._cancelled = False  # a signal cancelled it
 
     def popen(self, argv: Sequence[str], **options: Any) -> subprocess.Popen[Any]:
         """`subprocess.Popen(argv, **options)`, the child made to die with this process.
@@ -188,6 +191,10 @@ class Children:
 
     def __enter__(self) -> Children:
         self._before = set(descendants(os.getpid()))
+        try:  # inside an event loop: its main task is what a signal cancels
+            self._task = asyncio.current_task()
+        except RuntimeError:
+            self._task = None
         if threading.current_thread() is threading.main_thread():
             for sig in _SIGNALS:
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
@@ -195,7 +202,7 @@ class Children:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         try:
             self.stop()
         finally:
@@ -204,6 +211,8 @@ class Children:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
             self._previous.clear()
+        if self._cancelled and exc_type is not None:
+            raise KeyboardInterrupt  # the cancellation was ours: end as a Ctrl-C ends
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Unwind as Ctrl-C does, bounded by `unwind_s`; a second signal ends it now."""
@@ -213,7 +222,16 @@ class Children:
         self._watchdog = threading.Timer(self.unwind_s, self._force, (signum,))
         self._watchdog.daemon = True
         self._watchdog.start()
-        interrupt = self._previous.get(signal.SIGINT, signal.default_int_handler)
+        interrupt = self._previous.get(signal.SIGINT)
+        if interrupt is None and self._task is not None:
+            # Ctrl-C is ignored here (a background job, a pytest-xdist worker), so asyncio
+            # installed no handler of its own: cancel the main task as asyncio's would. A
+            # KeyboardInterrupt raised in whichever task runs now would leave anyio's cancel
+            # scopes in the wrong tasks.
+            self._cancelled = True
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+            return
+        interrupt = interrupt or signal.default_int_handler
         if callable(interrupt):  # Python's (KeyboardInterrupt), or asyncio's (cancels the main task)
             interrupt(signal.SIGINT, frame)
         else:
