@@ -186,21 +186,47 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Per tensor, the sum of its words each times (its index mod 65521, plus 1), modulo
     2**64: computed on the device the tensor lives on, and exact, so equal bytes give
     equal fingerprints on any device; a changed word, or words moved to other places,
-    give another. The sums come to the host in one transfer."""
-    sums = [_fingerprint(t) for t in tensors.values()]
-    values = torch.stack(sums).tolist() if sums else []
-    return dict(zip(tensors, values, strict=True))
+    give another. The sums come to the host in one transfer per device."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(t.device, []).append(name)
+    out: dict[str, int] = {}
+    for names in by_device.values():
+        out.update(zip(names, fingerprint_tensors([tensors[n] for n in names]).tolist(), strict=True))
+    return {name: out[name] for name in tensors}
+
+
+def fingerprint_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`fingerprints` of `tensors` (all on one device), as an int64 tensor on that device,
+    in order: nothing crosses to the host, so a caller can compare many on the device and
+    transfer once. A CUDA set takes the Triton kernel, one launch per word width."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    words = [_words(t) for t in tensors]
+    if tensors[0].is_cuda and _kernel() is not None:
+        return _kernel().fingerprint_many(words)
+    return torch.stack([_sum(w) for w in words])
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    # The widest word the size allows: 8-byte words need no widening, and move the least.
-    width = next(w for w in (8, 4, 2, 1) if raw.numel() % w == 0)
-    words = raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+    words = _words(t)
     if t.is_cuda and words.numel() and _kernel() is not None:
         return _kernel().fingerprint(words)  # one pass over the bytes, the same value
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    weights = _weights(t.device, _CHUNK)
+    return _sum(words)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as the widest words its size allows: 8-byte words need no widening, and
+    move the least."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    width = next(w for w in (8, 4, 2, 1) if raw.numel() % w == 0)
+    return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
+
+
+def _sum(words: torch.Tensor) -> torch.Tensor:
+    """The fingerprint by torch ops, a chunk at a time (several passes over the bytes)."""
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    weights = _weights(words.device, _CHUNK)
     for start in range(0, words.numel(), _CHUNK):  # a chunk starts at a multiple of the period
         chunk = words[start : start + _CHUNK]
         total += (chunk * weights[: chunk.numel()]).sum()  # int64, wrapping modulo 2**64
@@ -223,6 +249,7 @@ def _kernel() -> Any:
     return fingerprint_kernel
 
 
-def fingerprint_implementation() -> str:
-    """Which path CUDA tensors' fingerprints take here: "triton" or "torch"."""
-    return "triton" if _kernel() is not None else "torch"
+def fingerprint_implementation(device: torch.device | str = "cuda") -> str:
+    """Which path fingerprints of tensors on `device` (a CUDA one unless told) take here:
+    "triton" (one pass over the bytes), or "torch" (several)."""
+    return "triton" if torch.device(device).type == "cuda" and _kernel() is not None else "torch"

@@ -72,3 +72,13 @@ def test_small_chunks_give_the_same_values(monkeypatch):
     whole = fingerprints({"a": t})
     monkeypatch.setattr(torch_tensors, "_CHUNK", PERIOD)
     assert fingerprints({"a": t}) == whole
+
+
+def test_fingerprint_tensors_gives_the_same_values_on_the_device_in_order():
+    from weightpull.integrations.torch_tensors import fingerprint_tensors
+
+    ts = [torch.randn(33, 5), torch.ones(3, dtype=torch.uint8), torch.empty(0), torch.arange(7, dtype=torch.int16)]
+    on_device = fingerprint_tensors(ts)
+    assert on_device.dtype == torch.int64 and on_device.shape == (4,)
+    assert on_device.tolist() == list(fingerprints({str(i): t for i, t in enumerate(ts)}).values())
+    assert fingerprint_tensors([]).shape == (0,)

@@ -96,3 +96,104 @@ def test_quantized_fused_moe_with_post_load_processing_is_refused_at_start_up():
     refuse_unsupported(model(unquantized))  # its experts' processing is run again by weightpull
     with pytest.raises(UnsupportedModelError, match="experts"):
         refuse_unsupported(model(SimpleNamespace()))  # a quantized method: refused
+
+
+# -- which layers load straight: what the backend's first-load processing does ---------------
+
+
+def _layer(process=None, buffer: bool = False) -> torch.nn.Module:
+    """A linear layer as vLLM makes one: its tensors recorded as created, and a quant
+    method whose first-load processing is `process` (None: no quant method at all)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    class Method(QuantizeMethodBase):
+        def create_weights(self, layer, *args, **kwargs):
+            pass
+
+        def apply(self, layer, *args, **kwargs):
+            pass
+
+        def process_weights_after_loading(self, layer):
+            if process is not None:
+                process(self, layer)
+
+    layer = torch.nn.Linear(8, 4, bias=False)
+    layer.weight.requires_grad_(False)
+    layer.weight.weight_loader = "kept"
+    if buffer:
+        layer.register_buffer("cache", torch.zeros(3))
+    if process is not None:
+        layer.quant_method = Method()
+    record_metadata_for_reloading(layer)
+    return layer
+
+
+def _repack(method, layer):  # as the CPU backend does: the weight goes, a packed copy comes
+    layer.packed = layer.weight.detach().t().contiguous()
+    layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def test_a_layer_loads_straight_only_if_its_first_load_processing_touches_nothing():
+    from weightpull.integrations.vllm.apply import _leaves_alone
+
+    def nothing(method, layer):
+        pass
+
+    def handle(method, layer):  # a derived handle (the CPU backend's oneDNN one)
+        layer.cpu_linear = object()
+
+    def scaled(method, layer):  # the same tensor, other bytes
+        layer.weight.data.mul_(2)
+
+    def kernel(method, layer):  # the method keeps state made from the weights
+        method.kernel = object()
+
+    def fails(method, layer):  # on random values: what it would do is unknown
+        raise ValueError("scales out of range")
+
+    assert _leaves_alone(_layer(nothing))  # unquantized linear on a GPU
+    assert _leaves_alone(_layer(None))  # a norm: vLLM processes nothing without a quant method
+    for process in (handle, scaled, kernel, fails, _repack):
+        assert not _leaves_alone(_layer(process)), process.__name__
+    assert not _leaves_alone(_layer(nothing, buffer=True))
+    created_other = _layer(nothing)
+    created_other.weight = torch.nn.Parameter(torch.zeros(4, 8).t(), requires_grad=False)  # another layout
+    assert not _leaves_alone(created_other)
+
+
+def test_the_probe_runs_on_a_copy_and_leaves_the_layer_alone():
+    from weightpull.integrations.vllm.apply import _leaves_alone
+
+    layer = _layer(_repack)
+    before = layer.weight.detach().clone()
+    assert not _leaves_alone(layer)
+    assert torch.equal(layer.weight, before) and not hasattr(layer, "packed") and layer.weight.weight_loader == "kept"
+
+
+def test_writes_into_a_layer_loaded_straight_are_counted_until_it_is_whole():
+    from weightpull.integrations.vllm.apply import _DirectLoads, _Reference
+
+    model = torch.nn.Module()
+    model.a, model.b, model.c = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+    model.tied = torch.nn.Module()
+    model.tied.weight = model.a.weight  # shares a's tensor, as a tied LM head does
+    reference = _Reference(True, set())
+    loads = _DirectLoads([model.a, model.b, model.c, model.tied], reference)
+    published = _Published([("x", torch.ones(4, 4))])
+    with torch.no_grad(), _Reads(published, loads):
+        for _, x in published:
+            model.a.weight.copy_(x)  # whole, and its twin with it
+            model.b.weight[:2].copy_(x[:2])  # half
+    assert sorted(reference.expected) == sorted(map(id, (model.a, model.tied)))
+    missing, partial = [], []
+    loads.unloaded(model, missing, partial)
+    assert (missing, partial) == (["c"], ["b"])
+    with torch.no_grad():
+        model.a.weight.add_(1)  # after it was whole: the check sees it
+    import pytest
+
+    from weightpull.errors import ApplyCheckError
+
+    with pytest.raises(ApplyCheckError, match=r"a\.weight"):
+        reference.compare(model)

@@ -1,22 +1,29 @@
 """Applying a version to a vLLM model, and checking that the model computes with it.
 
-Runs in each worker process. vLLM's layerwise checkpoint-format reload (`reload_weights`)
-is driven here step by step (initialize, `load_weights`, finalize) because, left alone,
-it can report success while the model computes with a mix of versions (docs/guides/vllm.md,
-"Upstream defects"):
+Runs in each worker process. A layer whose first-load processing leaves its loaded
+tensors as they are (`identity_layers`: on a GPU, unquantized linear layers, embeddings
+and norms; probed, not assumed) is loaded straight into the tensors the kernels use,
+through its own weight loaders (`path="direct"`, the default). Every other layer goes
+through vLLM's layerwise checkpoint-format reload (`reload_weights`'s), driven here step
+by step (initialize, `load_weights`, finalize) because, left alone, it can report success
+while the model computes with a mix of versions (docs/guides/vllm.md, "Upstream defects"):
 
 - A layer that receives no weights is quietly given its old tensors back ("Failed to
   load weights" in the log), and whatever the backend derived from them at start-up
   stays (the CPU backend's packed copy of a tied LM head). So: a parameter tied to
   another (the head to the embedding) is fed the published tensor of either name, and a
-  layer left with none, or with only some, of its weights fails the apply.
+  layer left with none, or with only some, of its weights fails the apply (a layer loaded
+  straight, too: its writes are counted as vLLM counts a reloaded layer's).
 - A published tensor that no loader read fails the apply too (both names of a tied pair
   must then hold the same bytes).
 - On an update, vLLM skips the fused-MoE experts' own post-load processing (the CPU
   backend's repack into its grouped-GEMM layout): it is run again here.
 - `check=True` compares, layer by layer, the tensors the kernels use after the apply with
   what the backend's first-load processing makes of the same loaded tensors (the way a
-  fresh engine would hold them). Fingerprints are taken on the device the weights live on.
+  fresh engine would hold them): for a layer whose processing is the identity, the
+  loaded tensors themselves, fingerprinted as loaded (no copy); for any other, a copy of
+  them processed as on a first load. Fingerprints are taken on the device the weights
+  live on, and compared there: one transfer to the host.
 
 Nothing here is imported by weightpull's core; it needs vLLM and torch.
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 import bisect
 import copy
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -34,18 +42,28 @@ import attrs
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weightpull.errors import ApplyCheckError, IncompleteApplyError, UnsupportedModelError
+from weightpull.errors import ApplyCheckError, IncompleteApplyError, InvalidArgumentError, UnsupportedModelError
 
-from ..torch_tensors import fingerprints
+from ..torch_tensors import fingerprint_implementation, fingerprint_tensors
+
+# How `load` loads: "direct" (layers whose processing is the identity straight into their
+# tensors, the rest through vLLM's layerwise reload), "layerwise" (every layer through it),
+# "reference" (every layer through it, and every layer checked against a processed copy:
+# the first-load reference before identity layers were told apart).
+PATHS = ("direct", "layerwise", "reference")
 
 
 @attrs.frozen
 class ApplyReport:
     tensors: int  # published tensors loaded
-    layers: int  # layers whose loaded weights went through the backend's processing
+    layers: int  # layers whose loaded weights went through vLLM's reload and the backend's processing
     checked: int  # layers whose kernel tensors were compared (0 without the check)
     load_s: float
     check_s: float  # the check's share of load_s
+    direct: int = 0  # layers loaded straight into the tensors the kernels use
+    scratch: int = 0  # of the checked, those compared with a processed copy (processing not the identity)
+    path: str = "direct"
+    fingerprint_by: str = "torch"  # the check's fingerprints: "triton" (one pass) or "torch"
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -95,39 +113,60 @@ def refuse_unsupported(model: torch.nn.Module) -> None:
 
 
 def load(
-    runner: Any, weights: Iterable[tuple[str, torch.Tensor]], *, ties: dict[str, list[str]], check: bool
+    runner: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    ties: dict[str, list[str]],
+    check: bool,
+    path: str = "direct",
 ) -> ApplyReport:
     """Load `weights` (checkpoint names) into the runner's model in place, or raise
     `IncompleteApplyError` / `ApplyCheckError` naming what did not take. On any error the
     reload is finished (vLLM's wrappers removed) and the model holds a mix: the caller
-    loads a whole version again."""
+    loads a whole version again. `path` is one of `PATHS` (the bench compares them)."""
     from vllm.model_executor.model_loader.reload import layerwise
 
+    if path not in PATHS:
+        raise InvalidArgumentError(f"unknown apply path {path!r}: one of {', '.join(PATHS)}")
     model = runner.get_model()
     started = time.perf_counter()
+    identity = set() if path == "reference" else identity_layers(model)
+    straight = [m for m in model.modules() if m in identity] if path == "direct" and _may_load_straight(model) else []
+    rest = _Part(model, straight)
     published = _Published(weights)
-    reference = _Reference(check)
-    layerwise.initialize_layerwise_reload(model)
+    reference = _Reference(check, identity)
+    direct = _DirectLoads(straight, reference)
+    layerwise.initialize_layerwise_reload(rest)
     finalized = False
     try:
         with ExitStack() as stack:
-            stack.enter_context(_Reads(published))
-            for layer in model.modules():
+            stack.enter_context(_Reads(published, direct))
+            for layer in rest.modules():
                 stack.enter_context(_processing_hooks(layer, reference))
             model.load_weights(iter(published))
-            _feed_tied(model, ties, published)
-            missing, partial = _unloaded(model, layerwise)
-            layerwise.finalize_layerwise_reload(model, runner.model_config)
+            _feed_tied(model, ties, published, direct)
+            missing, partial = _unloaded(rest, layerwise)
+            direct.unloaded(model, missing, partial)
+            layerwise.finalize_layerwise_reload(rest, runner.model_config)
             finalized = True
         _raise_incomplete(missing, partial, published.unread(), published.tie_conflicts(ties))
         check_s = reference.compare(model)
     finally:
         if not finalized:
-            layerwise.finalize_layerwise_reload(model, runner.model_config)
+            layerwise.finalize_layerwise_reload(rest, runner.model_config)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets
         getattr(runner, reset, lambda: None)()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return ApplyReport(
-        len(published.tensors), reference.processed, reference.checked, time.perf_counter() - started, check_s
+        tensors=len(published.tensors),
+        layers=reference.processed,
+        checked=reference.checked,
+        load_s=time.perf_counter() - started,
+        check_s=check_s,
+        direct=len(straight),
+        scratch=reference.scratch,
+        path=path,
+        fingerprint_by=fingerprint_implementation(device),
     )
 
 
@@ -186,21 +225,26 @@ class _Published:
 
 class _Reads(TorchDispatchMode):
     """While the weights load, tells `published` what memory each tensor operation reads
-    (for `copy_`, its source only)."""
+    (for `copy_`, its source only), and `direct` what each `copy_` writes."""
 
-    def __init__(self, published: _Published) -> None:
+    def __init__(self, published: _Published, direct: _DirectLoads | None = None) -> None:
         super().__init__()
         self.published = published
+        self.direct = direct
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        for arg in args[1:] if func is torch.ops.aten.copy_.default else args:
+        copy = func is torch.ops.aten.copy_.default
+        for arg in args[1:] if copy else args:
             if isinstance(arg, torch.Tensor) and not arg.is_meta and arg.numel():
                 start = arg.data_ptr()
                 self.published.mark_read(start, start + arg.numel() * arg.element_size())
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if copy and self.direct is not None and not args[0].is_meta:
+            self.direct.wrote(args[0])
+        return out
 
 
-def _feed_tied(model: torch.nn.Module, ties: dict[str, list[str]], published: _Published) -> None:
+def _feed_tied(model: torch.nn.Module, ties: dict[str, list[str]], published: _Published, direct: _DirectLoads) -> None:
     """A layer whose only weights are tied to another's (an LM head tied to the
     embedding) gets no tensor from `load_weights` when the published set names only the
     other, or when the model's loader skips the head: feed it through its own loader."""
@@ -209,9 +253,13 @@ def _feed_tied(model: torch.nn.Module, ties: dict[str, list[str]], published: _P
     for name, others in ties.items():
         module_name, _, param_name = name.rpartition(".")
         layer = model.get_submodule(module_name)
-        info = get_layerwise_info(layer)
-        if not info.can_load() or info.load_numel > 0:
-            continue  # loaded already (or processed: its info was reset)
+        if direct.holds(layer):
+            if direct.started(layer):
+                continue  # loaded already (a tied twin's writes count for both)
+        else:
+            info = get_layerwise_info(layer)
+            if not info.can_load() or info.load_numel > 0:
+                continue  # loaded already (or processed: its info was reset)
         source = next((published.tensors[n] for n in (name, *others) if n in published.tensors), None)
         if source is not None:
             param = getattr(layer, param_name)
@@ -249,6 +297,170 @@ def _raise_incomplete(missing: list[str], partial: list[str], unread: list[str],
 
 def _few(names: list[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+# -- layers whose processing is the identity, loaded straight -------------------------------
+
+_IDENTITY: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def identity_layers(model: torch.nn.Module) -> set[torch.nn.Module]:
+    """The model's layers whose first-load processing leaves their loaded tensors as they
+    are (`_leaves_alone`): probed once per model, on the first apply."""
+    if model not in _IDENTITY:
+        _IDENTITY[model] = [m for m in model.modules() if _leaves_alone(m)]
+    return set(_IDENTITY[model])
+
+
+def _leaves_alone(layer: torch.nn.Module) -> bool:
+    """Whether a fresh engine holds `layer`'s tensors exactly as its weight loaders leave
+    them. Decided by what the backend's processing does, not by its name (vLLM changes,
+    and one class does different things on different platforms: the CPU backend repacks
+    unquantized linear weights for oneDNN, a GPU leaves them): the layer has parameters
+    only, each as the model created it (shape, dtype, strides: no repack or padding kept),
+    and either no quant method (vLLM processes a layer through its quant method only) or
+    one whose first-load processing, run on a copy of the layer holding fresh random
+    tensors, touched no tensor, byte, or attribute of the layer or of the method. Anything
+    else (attention, whose processing runs at the reload's end; a fused MoE; a method
+    that fails on random values) goes through vLLM's reload, as before."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    params = {k: p for k, p in layer._parameters.items() if p is not None}
+    created, created_buffers = get_layerwise_info(layer).restore_metadata
+    if not params or created_buffers or any(b is not None for b in layer._buffers.values()):
+        return False
+    if is_deferred_attention_layer(layer) or created.keys() != params.keys():
+        return False
+    if any(_layout(params[k]) != _layout(created[k]) for k in params):
+        return False  # the kernels' tensors are not the loaded ones (repacked, padded)
+    method = getattr(layer, "quant_method", None)
+    if not isinstance(method, QuantizeMethodBase):
+        return True
+    try:
+        return _processing_leaves_alone(layer, method, params)
+    except Exception:  # what it does is unknown: vLLM's reload runs it
+        return False
+
+
+def _processing_leaves_alone(layer: torch.nn.Module, method: Any, params: dict[str, torch.Tensor]) -> bool:
+    scratch = copy.copy(layer)
+    scratch._parameters = {k: _random_param(p) for k, p in params.items()}
+    scratch._buffers = {}
+    scratch._modules = dict(layer._modules)
+    fresh = _first_load_method(method)
+    loaded = dict(scratch._parameters)
+    where = {k: (t.data_ptr(), _layout(t)) for k, t in loaded.items()}
+    prints = fingerprint_tensors(list(loaded.values()))
+    layer_attrs, method_attrs = _attributes(scratch), _attributes(fresh)
+    type(method).process_weights_after_loading(fresh, scratch)
+    now = {k: t for k, t in scratch._parameters.items() if t is not None}
+    return (
+        _attributes(scratch) == layer_attrs
+        and _attributes(fresh) == method_attrs
+        and now.keys() == loaded.keys()
+        and all(now[k] is loaded[k] and (now[k].data_ptr(), _layout(now[k])) == where[k] for k in loaded)
+        and not any(b is not None for b in scratch._buffers.values())
+        and bool(torch.equal(fingerprint_tensors(list(now.values())), prints))
+    )
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, tuple(t.stride())
+
+
+def _attributes(obj: Any) -> dict[str, int]:
+    """Which object each attribute names: processing that sets, drops or rebinds one
+    (a packed handle, a kernel, a flag) shows."""
+    return {k: id(v) for k, v in vars(obj).items()}
+
+
+def _random_param(p: torch.Tensor) -> torch.Tensor:
+    data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+    if data.is_floating_point():
+        data.normal_()
+    else:
+        data.random_(0, 100)
+    return _as_param_like(data, p)
+
+
+def _as_param_like(data: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`data` as a parameter of `p`'s class with `p`'s attributes (weight_loader, the
+    layout attributes processing reads)."""
+    out = torch.nn.Parameter(data, requires_grad=False)
+    out.__class__ = p.__class__
+    out.__dict__.update(p.__dict__)
+    return out
+
+
+def _may_load_straight(model: torch.nn.Module) -> bool:
+    # A torchao model's load_weights runs vLLM's reload over the whole model itself.
+    return not getattr(model, "_do_torchao_reload", False)
+
+
+class _Part(torch.nn.Module):
+    """The model's modules but `leave_out`, as vLLM's layerwise reload walks a model
+    (`modules()`): the layers loaded straight are neither put on the meta device nor
+    re-materialised. Their own children are not walked either: only the model is."""
+
+    def __init__(self, model: torch.nn.Module, leave_out: list[torch.nn.Module]) -> None:
+        super().__init__()
+        out = set(map(id, leave_out))
+        self._members = [(n, m) for n, m in model.named_modules() if id(m) not in out]
+
+    def named_modules(self, memo: Any = None, prefix: str = "", remove_duplicate: bool = True) -> Iterator:
+        return iter(self._members)
+
+
+class _DirectLoads:
+    """Layers loaded straight into the tensors the kernels use: the elements each of
+    their parameters was written (by `copy_`, capped at its size, as vLLM counts a
+    reloaded layer's loads), and, once a layer is whole, its fingerprints as loaded
+    (`_Reference.loaded`). Tied parameters share a tensor: a write counts for each."""
+
+    def __init__(self, layers: list[torch.nn.Module], reference: _Reference) -> None:
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+        self.reference = reference
+        self.owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # storage address -> (layer, name)
+        self.written: dict[tuple[int, str], int] = {}
+        self.sizes: dict[tuple[int, str], int] = {}
+        self.whole: set[int] = set()
+        self.layers = {id(m): m for m in layers}
+        for layer in layers:
+            for name, p in layer._parameters.items():
+                if p is not None:
+                    self.owners.setdefault(p.untyped_storage().data_ptr(), []).append((layer, name))
+                    self.written[(id(layer), name)] = 0
+                    self.sizes[(id(layer), name)] = get_tensor_load_numel(p)
+
+    def holds(self, layer: torch.nn.Module) -> bool:
+        return id(layer) in self.layers
+
+    def started(self, layer: torch.nn.Module) -> bool:
+        return any(self.written[(id(layer), n)] for n, p in layer._parameters.items() if p is not None)
+
+    def wrote(self, dst: torch.Tensor) -> None:
+        for layer, name in self.owners.get(dst.untyped_storage().data_ptr(), ()):
+            key = (id(layer), name)
+            self.written[key] = min(self.written[key] + dst.numel(), self.sizes[key])
+            if id(layer) not in self.whole and self._complete(layer):
+                self.whole.add(id(layer))
+                self.reference.loaded(layer)
+
+    def _complete(self, layer: torch.nn.Module) -> bool:
+        return all(
+            self.written[(id(layer), n)] >= self.sizes[(id(layer), n)]
+            for n, p in layer._parameters.items()
+            if p is not None
+        )
+
+    def unloaded(self, model: torch.nn.Module, missing: list[str], partial: list[str]) -> None:
+        """Add the layers that got no weights to `missing`, those that got some to `partial`."""
+        for name, layer in model.named_modules():
+            if self.holds(layer) and id(layer) not in self.whole:
+                (partial if self.started(layer) else missing).append(name or type(layer).__name__)
 
 
 # -- processing: the MoE repack vLLM skips, and the first-load reference -------------------
@@ -294,43 +506,78 @@ def _processing_hooks(layer: torch.nn.Module, reference: _Reference) -> Iterator
 
 class _Reference:
     """Fingerprints of what the backend's first-load processing makes of each layer's
-    freshly loaded tensors, compared after the reload with the tensors the kernels use."""
+    freshly loaded tensors, compared after the reload with the tensors the kernels use.
+    For a layer whose processing is the identity (`identity`), the loaded tensors
+    themselves; for any other, a processed copy of them."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, identity: set[torch.nn.Module]) -> None:
         self.enabled = enabled
-        self.expected: dict[int, tuple[torch.nn.Module, dict[str, tuple]]] = {}
+        self.identity = identity
+        # id(layer) -> (layer, each tensor's name -> (shape, dtype), their fingerprints on the device)
+        self.expected: dict[int, tuple[torch.nn.Module, dict[str, tuple], torch.Tensor]] = {}
         self.processed = 0
         self.checked = 0
+        self.scratch = 0
         self.seconds = 0.0
 
     def record(self, layer: torch.nn.Module, method: Any) -> None:
+        """`layer` is loaded and about to be processed by vLLM's reload."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         if not self.enabled or is_deferred_attention_layer(layer):
             return  # attention layers hold no checkpoint weights here, only scales
         started = time.perf_counter()
-        scratch = _scratch(layer)
-        fresh = copy.copy(method)
-        if hasattr(fresh, "moe_kernel"):
-            fresh.moe_kernel = None  # first load: the kernel is built from these weights
-        # Defined on the class, not the (wrapped) instance: the unwrapped processing.
-        type(method).process_weights_after_loading(fresh, scratch)
-        self.expected[id(layer)] = (layer, _fingerprints(scratch))
+        if layer in self.identity:
+            self._expect(layer, layer)  # processing leaves these as they are: no copy
+        else:
+            scratch = _scratch(layer)
+            # Defined on the class, not the (wrapped) instance: the unwrapped processing.
+            type(method).process_weights_after_loading(_first_load_method(method), scratch)
+            self._expect(layer, scratch)
+            self.scratch += 1
         self.seconds += time.perf_counter() - started
 
+    def loaded(self, layer: torch.nn.Module) -> None:
+        """`layer`, loaded straight into the kernels' tensors, is whole."""
+        if self.enabled:
+            started = time.perf_counter()
+            self._expect(layer, layer)
+            self.seconds += time.perf_counter() - started
+
+    def _expect(self, layer: torch.nn.Module, source: torch.nn.Module) -> None:
+        tensors = _own_tensors(source)
+        if tensors:
+            shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+            self.expected[id(layer)] = (layer, shapes, fingerprint_tensors(list(tensors.values())))
+
     def compare(self, model: torch.nn.Module) -> float:
-        """Raise `ApplyCheckError` naming every parameter whose kernel bytes differ."""
+        """Raise `ApplyCheckError` naming every parameter whose kernel bytes differ: every
+        layer's fingerprints taken at once, compared on the device, one transfer."""
         if not self.enabled:
             return 0.0
         started = time.perf_counter()
         names = {id(m): n for n, m in model.named_modules()}
-        wrong = []
-        for key, (layer, expected) in self.expected.items():
-            got = _fingerprints(layer)
-            for tensor, print_ in expected.items():
-                if tensor in got and got[tensor] != print_:
-                    wrong.append(f"{names.get(key, type(layer).__name__)}.{tensor}")
+        wrong, labels, tensors, picks, prints = [], [], [], [], []
+        at = 0
+        for key, (layer, shapes, expected) in self.expected.items():
+            now = _own_tensors(layer)
+            for i, (name, shape) in enumerate(shapes.items()):
+                label = f"{names.get(key, type(layer).__name__)}.{name}"
+                if name not in now:
+                    continue  # processing removed it from the layer: nothing the kernels use
+                if (tuple(now[name].shape), now[name].dtype) != shape:
+                    wrong.append(label)
+                else:
+                    labels.append(label)
+                    tensors.append(now[name])
+                    picks.append(at + i)
+            prints.append(expected)
+            at += len(shapes)
             self.checked += 1
+        if tensors:
+            got = fingerprint_tensors(tensors)
+            want = torch.cat([p.to(got.device) for p in prints])[torch.tensor(picks, device=got.device)]
+            wrong += [label for label, differs in zip(labels, (got != want).tolist(), strict=True) if differs]
         self.expected.clear()
         self.seconds += time.perf_counter() - started
         if wrong:
@@ -339,6 +586,15 @@ class _Reference:
                 f"makes of the pulled copy on a first load: {_few(wrong)}"
             )
         return self.seconds
+
+
+def _first_load_method(method: Any) -> Any:
+    """A copy of `method` as it stands before a first load (a fused MoE's kernel is built
+    from the weights then)."""
+    fresh = copy.copy(method)
+    if hasattr(fresh, "moe_kernel"):
+        fresh.moe_kernel = None
+    return fresh
 
 
 def _scratch(layer: torch.nn.Module) -> torch.nn.Module:
@@ -357,7 +613,6 @@ def _clone_param(p: torch.Tensor) -> torch.Tensor:
     return clone
 
 
-def _fingerprints(layer: torch.nn.Module) -> dict[str, tuple]:
-    """Shape, dtype and fingerprint of the layer's own tensors (its submodules' are theirs)."""
-    tensors = {k: t for k, t in (*layer._parameters.items(), *layer._buffers.items()) if t is not None}
-    return {k: (tuple(tensors[k].shape), tensors[k].dtype, f) for k, f in fingerprints(tensors).items()}
+def _own_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's own tensors (its submodules' are theirs)."""
+    return {k: t for k, t in (*layer._parameters.items(), *layer._buffers.items()) if t is not None}
