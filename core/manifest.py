@@ -10,6 +10,7 @@ import attrs
 from cattrs.gen import make_dict_unstructure_fn, override
 
 from . import schema
+from .delta import Delta, pieces
 from .errors import InvalidArgumentError
 from .layout import Layout
 from .sharding import Shard, check_shards
@@ -51,10 +52,14 @@ class Manifest(schema.Record):
         shards: A sharded version's shards (each holds rows of the full `layout`);
             `source`, `slot` and `publisher` repeat the first's.
         step: The number its publisher asked for (its training step, say).
+        delta: Its changes from an earlier version, past its whole bytes in the slot
+            (`weightpull.delta`); None: it has none.
 
     Raises:
         InvalidArgumentError: A negative version, digests that do not match the buckets,
-            or shards that do not tile the layout or record digests.
+            shards that do not tile the layout or record digests, or a delta without the
+            version's digests, of a sharded version, against a base that is not earlier,
+            or whose digests do not match its pieces.
     """
 
     version: int = attrs.field(validator=_check_version)
@@ -70,6 +75,8 @@ class Manifest(schema.Record):
     # The number its publisher asked for (its training step, say): versions are the
     # registry's numbering, which gives another number when that one is taken.
     step: int | None = None
+    # Its changes from an earlier version, for readers that hold that one (weightpull.delta).
+    delta: Delta | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.digests is not None and len(self.digests) != len(self.layout.buckets):
@@ -85,6 +92,27 @@ class Manifest(schema.Record):
                     f"manifest v{self.version}: source, slot and publisher must be those of shard {first.index}"
                 )
             check_shards(self.layout, self.shards)
+        if self.delta is not None:
+            self._check_delta(self.delta)
+
+    def _check_delta(self, delta: Delta) -> None:
+        what = f"manifest v{self.version}'s delta"
+        if self.digests is None or self.shards:
+            raise InvalidArgumentError(f"{what}: a delta needs the version's digests (a patch is checked by them)")
+        if delta.base >= self.version:
+            raise InvalidArgumentError(f"{what} is against v{delta.base}, not an earlier version")
+        if self.layout.total_bytes % delta.word:
+            raise InvalidArgumentError(f"{what}: {self.layout.total_bytes} bytes are not whole words of {delta.word}")
+        expected = len(self.delta_pieces())
+        if len(delta.digests) != expected:
+            raise InvalidArgumentError(f"{what} has {len(delta.digests)} digests for {expected} pieces")
+
+    def delta_pieces(self) -> list[tuple[int, int]]:
+        """(offset in the slot, bytes) of each piece of the delta section, read and
+        digested as one; none without a delta."""
+        if self.delta is None:
+            return []
+        return pieces(self.layout.total_bytes, self.delta.nbytes, self.layout.bucket_bytes)
 
     @property
     def sharded(self) -> bool:
@@ -102,10 +130,15 @@ class Manifest(schema.Record):
         return self.layout.total_bytes
 
 
-# `shards` and `step` are sent only when set, so a manifest without them reads as ever.
+# `shards`, `step` and `delta` are sent only when set, so a manifest without them reads as
+# ever (a peer of an earlier release refuses one with a delta, naming the key).
 schema.converter.register_unstructure_hook_factory(
     lambda t: t is Manifest,
     lambda t: make_dict_unstructure_fn(
-        t, schema.converter, shards=override(omit_if_default=True), step=override(omit_if_default=True)
+        t,
+        schema.converter,
+        shards=override(omit_if_default=True),
+        step=override(omit_if_default=True),
+        delta=override(omit_if_default=True),
     ),
 )

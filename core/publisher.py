@@ -23,6 +23,7 @@ import anyio.lowlevel
 import attrs
 
 from .clock import Clock, MonotonicClock
+from .delta import Delta, check_publishing, encode, pieces, room_for, word_of
 from .digests import WSUM64, digest, kind_of
 from .errors import (
     InvalidArgumentError,
@@ -35,12 +36,12 @@ from .errors import (
     WeightpullError,
     first_error,
 )
-from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, Layout, Placement, TensorSpec, plan_layout
+from .layout import DEFAULT_ALIGN, DEFAULT_BUCKET_BYTES, DTYPE_SIZES, Layout, Placement, TensorSpec, plan_layout
 from .manifest import Manifest, bucket_digest
 from .principals import Principal, Role
 from .records import Reservation
 from .registry import Registry, ReservingRegistry, as_streaming
-from .settings import Digester, PublisherSettings, SlotSettings, WhenFull, merge
+from .settings import Digester, PublisherSettings, SlotSettings, WhenFull, merge, refuse
 from .sharding import Rows, Shard, Sharding
 from .states import SLOT, SlotEvent, SlotState
 from .tasks import close_owned
@@ -106,6 +107,7 @@ class _Slot:
     region: Region | None = None
     descriptor: bytes = b""
     version: int | None = None  # committed version it holds, or aborted one to reclaim
+    layout: Layout | None = None  # the layout of the committed version it holds (a delta's base)
 
     def move(self, event: SlotEvent) -> None:
         self.state = SLOT.fire(self.state, event, f"{self.index}")
@@ -157,6 +159,14 @@ class Publisher:
     integration supplies: `SnapshotPublisher` passes the torch one, and so must whoever
     makes a Publisher with a GPU slot and digests. A sharded version records none.
 
+    With `deltas`, each version also records its changes from its base (the version
+    `publish` names, by default the one this publisher published last, while a slot of
+    it still holds it), past the whole version in its slot, for readers whose mirror
+    holds the base (`weightpull.delta`, docs/guides/bytes.md). A delta larger than
+    `delta_room` of the version is left out: readers read the whole version, as they do
+    any version without one. Deltas need digests (a patched copy is checked by them),
+    host slots, and `stream=False`.
+
     Args:
         registry: The registry versions are announced to (a `StreamingRegistry` with
             `stream`).
@@ -173,14 +183,18 @@ class Publisher:
         name: The publisher's name; None: its registry principal's (`default_name`).
         clock: The local clock; `MonotonicClock` if None.
         adapter: The tensors' adapter; None: found from the first tensor published.
+        deltas: Record each version's changes from its base too (see above).
+        delta_room: The share of a version's bytes kept in each slot for its delta; a
+            larger delta is not recorded.
         slot_settings: The slots and the policy when none is free (`SlotSettings`:
             `num_slots`, `when_full`, `wait_timeout`, `poll_interval`).
         **flat: The same slot settings one by one (`FlatPublisherArgs`).
 
     Raises:
         InvalidArgumentError: a setting is out of range or breaks a rule with another
-            (all named at once), a flat argument contradicts `slot_settings`, or the
-            registry cannot stream (`stream`).
+            (all named at once), a flat argument contradicts `slot_settings`, the
+            registry cannot stream (`stream`), or `deltas` without digests, on a device
+            slot or with `stream`.
     """
 
     def __init__(
@@ -198,6 +212,8 @@ class Publisher:
         name: str | None = None,
         clock: Clock | None = None,
         adapter: TensorAdapter | None = None,
+        deltas: bool = False,
+        delta_room: float = 0.25,
         slot_settings: SlotSettings | None = None,
         **flat: Unpack[FlatPublisherArgs],
     ) -> None:
@@ -224,12 +240,16 @@ class Publisher:
         self.digester = digester
         self.stream = stream
         settings.check_fit(registry, stream=stream)  # refused now, not at the first publish
+        if deltas:
+            refuse(check_publishing(room=delta_room, digests=digests, device=device, stream=stream), "Publisher")
+        self.deltas, self.delta_room = bool(deltas), delta_room
         self.device = device
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
         self.adapter = adapter
         self.slots = [_Slot(i) for i in range(settings.slots.num_slots)]
         self.last_version: int | None = None  # the number the registry gave the last publish
+        self._published: int | None = None  # the last version this publisher committed: the next delta's base
         self.reservation: Reservation | None = None  # the slots `reserve` registered, last
         self._last_asked: int | None = None
         self._adopted = False  # whether the registry's record of our slots was read
@@ -268,7 +288,7 @@ class Publisher:
     def metrics(self) -> dict[str, int | float]:
         """This publisher's figures, flat, for a trainer's logger: the last publish's
         version, the seconds it held the caller and, unless it skipped, the bytes in its
-        slot; and counts since this publisher was made: versions published, skipped for
+        slot (and its delta's, if it recorded one); and counts since this publisher was made: versions published, skipped for
         want of a free slot, and failed."""
         out: dict[str, int | float] = {f"publish/{k}": v for k, v in self._counts.items()}
         last = self._last
@@ -277,6 +297,8 @@ class Publisher:
             out["publish/block_s"] = last.blocked_s
             if last.manifest is not None:
                 out["publish/bytes"] = last.manifest.nbytes
+                if last.manifest.delta is not None:
+                    out["publish/delta_bytes"] = last.manifest.delta.nbytes
         return out
 
     async def publish(
@@ -285,6 +307,7 @@ class Publisher:
         tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
         *,
         shard: Sharding | None = None,
+        base: int | None = None,
     ) -> PublishResult:
         """Copy `tensors` into a free slot and announce them. `version` is the number asked
         for (the training step, say; None: the next): the registry gives it while it is
@@ -304,10 +327,17 @@ class Publisher:
         shard is committed, and the version turns READY when every shard is. Its failure,
         or its skip, aborts the version for every shard.
 
+        With `deltas`, the version also records its changes from `base` (None: the
+        version this publisher published last), if a slot still holds that one with the
+        same layout and the changes fit `delta_room`; else it is published whole alone.
+        The base's slot is kept while another slot can be had.
+
         Args:
             version: The number asked for; None: the next.
             tensors: The tensors, by name (a mapping, or pairs read once).
             shard: This publisher's part of a sharded version (`Sharding`).
+            base: The version a delta is taken against (`deltas` only); None: the last
+                published.
 
         Returns:
             What was published (`PublishResult`): the version given, or a skip.
@@ -319,14 +349,14 @@ class Publisher:
             SlotWaitTimeoutError: no slot freed within `wait_timeout` (`when_full` WAIT,
                 or a sharded publish under the default).
             VersionOrderError: `version` does not exceed the last one asked for.
-            InvalidArgumentError: no tensors, a malformed `version`, or `shard` with
-                digests or without a `version`.
+            InvalidArgumentError: no tensors, a malformed `version`, `shard` with
+                digests or without a `version`, or `base` without `deltas`.
         """
         if self._lock is None:
             self._lock = anyio.Lock()
         async with self._lock:  # one publish at a time: slots are taken and filled in turn
             try:
-                result = await self._publish(version, tensors, shard)
+                result = await self._publish(version, tensors, shard, base)
             except Exception:
                 self._counts["failed"] += 1
                 raise
@@ -335,7 +365,11 @@ class Publisher:
             return result
 
     async def _publish(
-        self, asked: int | None, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], shard: Sharding | None
+        self,
+        asked: int | None,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        shard: Sharding | None,
+        base: int | None = None,
     ) -> PublishResult:
         started = self.clock.now()
         if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 0):
@@ -346,6 +380,9 @@ class Publisher:
             raise InvalidArgumentError("digests cover whole slots; a sharded version records none (digests=False)")
         if shard is not None and asked is None:
             raise InvalidArgumentError("the shards of one version find each other by the number they ask for: pass it")
+        if base is not None and not self.deltas:
+            raise InvalidArgumentError(f"base=v{base} names a delta's base: make the Publisher with deltas=True")
+        base = (base if base is not None else self._published) if self.deltas else None
         # A shard that gives up before it begins still aborts the version, so that its
         # siblings neither wait on it nor hold their slots for it.
         tag = {} if shard is None else {"shard": (shard.index, shard.count)}
@@ -355,7 +392,7 @@ class Publisher:
         if not self._adopted:
             await self._adopt()
         try:
-            slot = await self._take_slot(asked, sharded=shard is not None)
+            slot = await self._take_slot(asked, sharded=shard is not None, keep=base)
         except BaseException as exc:
             if shard is not None and asked is not None:
                 await self._abort(asked, repr(exc), tag)
@@ -378,7 +415,7 @@ class Publisher:
         self.last_version = version
         try:
             items, adapter, (layout, rows, packed) = prepared or self._prepare(tensors, shard)
-            region = await self._fit(slot, packed.total_bytes)
+            region = await self._fit(slot, packed.total_bytes + self._room(packed, shard))
             parts = (
                 ()
                 if shard is None
@@ -393,22 +430,62 @@ class Publisher:
             else:
                 await adapter.write([(v, packed[n]) for n, v in items], region)
                 await adapter.fence()
-            if self.digests:
-                manifest = attrs.evolve(manifest, digests=await self._digests(region, layout))
+            # A stream's manifest went out before its bytes landed: it takes no delta.
+            delta = None if base is None or streamed else await self._delta(base, slot, region, layout)
+            if self.digests:  # the version's buckets, then its delta's pieces
+                spans = [(b.offset, b.nbytes) for b in layout.buckets]
+                extra = [] if delta is None else pieces(layout.total_bytes, delta.nbytes, layout.bucket_bytes)
+                found = await self._digests(region, spans + extra)
+                if delta is not None:
+                    delta = attrs.evolve(delta, digests=found[len(spans) :])
+                manifest = attrs.evolve(manifest, digests=found[: len(spans)], delta=delta)
             if streamed:  # the registry holds the manifest already: only the digests go
                 await as_streaming(self.registry).commit_stream(version, manifest.digests)
             else:
                 await self.registry.commit(manifest)
         except BaseException as exc:
             slot.move(SlotEvent.ABORT)
-            slot.version = version  # the ABORTED record must be reclaimed before reuse
+            slot.version, slot.layout = version, None  # the ABORTED record must be reclaimed before reuse
             await self._abort(version, repr(exc), tag)
             if isinstance(exc, Exception):
                 raise PublishError(f"publish of v{version} failed: {exc!r}") from exc
             raise
         slot.move(SlotEvent.COMMIT)
-        slot.version = version
+        slot.version, slot.layout = version, (layout if shard is None else None)
+        self._published = version
         return PublishResult(version, False, slot.index, manifest, self.clock.now() - started)
+
+    def _room(self, layout: Layout, shard: Sharding | None) -> int:
+        """The bytes kept past a version in its slot for its delta (none unless `deltas`)."""
+        if not self.deltas or shard is not None:
+            return 0
+        return room_for(layout.total_bytes, self.delta_room, self.align)
+
+    async def _delta(self, base: int, slot: _Slot, region: Region, layout: Layout) -> Delta | None:
+        """The version's changes from `base`, written past it in `region`; None when no other
+        slot holds the base with this layout, or the changes do not fit the room (logged).
+        Its digests are added with the version's."""
+        held = next((s for s in self.slots if s is not slot and s.version == base and s.layout is not None), None)
+        if held is None or held.region is None or held.state is not SlotState.HOLDING or held.layout != layout:
+            log.info("%s: no slot holds v%s with this layout: v%s goes out whole", self.name, base, self.last_version)
+            return None
+        total, room = layout.total_bytes, self._room(layout, None)
+        word = word_of(DTYPE_SIZES[spec.dtype] for spec in layout.specs)
+        old, new = held.region.host_view(), region.host_view()
+        found = await anyio.to_thread.run_sync(
+            lambda: encode(old[:total], new[:total], word, new[total : total + room])
+        )
+        if found is None:
+            log.info(
+                "%s: v%s changed more than delta_room=%g of it from v%s: no delta",
+                self.name,
+                self.last_version,
+                self.delta_room,
+                base,
+            )
+            return None
+        nbytes, changed = found
+        return Delta(base, nbytes, room, changed, (), word=word)
 
     async def _stream(
         self, manifest: Manifest, adapter: TensorAdapter, writes: list[tuple[Any, Placement]], region: Region
@@ -594,16 +671,19 @@ class Publisher:
 
         The slots are then registered with the registry (a `Reservation`), so that
         replicas map them and size their mirrors before the first version
-        (`Puller.prepare`)."""
+        (`Puller.prepare`). With `deltas`, each slot and mirror has a delta's room too
+        (given bytes are the version's alone)."""
         if not self._adopted:  # the registry's status read now, not in the first publish
             await self._adopt()
         if isinstance(tensors, int):
-            nbytes = version_bytes = tensors
+            room = 0 if not self.deltas or shard is not None else room_for(tensors, self.delta_room, self.align)
+            nbytes = version_bytes = tensors + room
             if shard is not None:
                 version_bytes = 0  # a shard's slot: the whole version's size is not known
         else:
             layout, _, slot_layout = self._plan(list(tensors), shard)
-            nbytes, version_bytes = slot_layout.total_bytes, layout.total_bytes
+            room = self._room(layout, shard)
+            nbytes, version_bytes = slot_layout.total_bytes + room, layout.total_bytes + room
         for slot in self.slots:
             if slot.state is not SlotState.WRITING:
                 await self._fit(slot, nbytes)
@@ -631,7 +711,7 @@ class Publisher:
         slot.region = region
         return region
 
-    async def _take_slot(self, version: int | None, *, sharded: bool = False) -> _Slot | None:
+    async def _take_slot(self, version: int | None, *, sharded: bool = False, keep: int | None = None) -> _Slot | None:
         what = "the next version" if version is None else f"v{version}"
         when_full, bound = self.when_full, self.wait_timeout
         if sharded and when_full is WhenFull.WAIT_THEN_SKIP:  # a shard's skip would abort its siblings' version
@@ -640,7 +720,8 @@ class Publisher:
         deadline = started + bound
         while True:
             kept: dict[int, str] = {}  # version -> why the registry keeps it (its reclaim's refusal)
-            while (index := choose_slot([(s.state, s.version) for s in self.slots], kept)) is not None:
+            # A delta's base (`keep`) is kept while another slot can be had.
+            while (index := self._choose([(s.state, s.version) for s in self.slots], kept, keep)) is not None:
                 slot = self.slots[index]
                 if slot.version is None:
                     return slot
@@ -653,7 +734,7 @@ class Publisher:
                     pass  # the registry no longer knows it: no lease on it can be valid
                 if slot.state is SlotState.HOLDING:
                     slot.move(SlotEvent.RECLAIM)
-                slot.version = None
+                slot.version, slot.layout = None, None
                 return slot
             detail = "; ".join(
                 f"slot {s.index}: "
@@ -682,9 +763,15 @@ class Publisher:
                 raise SlotWaitTimeoutError(f"no slot freed for {what} within {bound} s: {detail}")
             await self.clock.sleep(min(self.poll_interval, max(0.0, deadline - self.clock.now())))
 
-    async def _digests(self, region: Region, layout: Layout) -> tuple[str, ...]:
-        """Each bucket's digest, computed where the slot lies (the class's docstring)."""
-        spans = [(b.offset, b.nbytes) for b in layout.buckets]
+    @staticmethod
+    def _choose(slots: Sequence[tuple[SlotState, int | None]], kept: Collection[int], keep: int | None) -> int | None:
+        if keep is not None and (index := choose_slot(slots, {*kept, keep})) is not None:
+            return index
+        return choose_slot(slots, kept)
+
+    async def _digests(self, region: Region, spans: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """The digest of each span (offset, bytes) of the slot, computed where it lies (the
+        class's docstring)."""
         kind, bare = self.digest_kind, self.digests is True
         assert kind is not None
         if self.device != "cpu":

@@ -30,6 +30,8 @@ from . import transports
 from .checking import DigestChecker
 from .clock import Clock, MonotonicClock
 from .connections import Connections
+from .delta import patch
+from .digests import matches
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -168,6 +170,7 @@ class Pulled(_VersionBytes):
 
     seconds: float
     renewals: int
+    base: int | None = None  # the version it was patched from (its delta); None: read whole
 
 
 @attrs.frozen
@@ -298,6 +301,15 @@ class Puller:
     is offered goes into the other one, so readers of a relay never hold up its next
     prefetch, at the cost of one more buffer the size of a version on `device`.
 
+    With `deltas` (the default), a version published with a delta against a version this
+    puller holds, verified, in a host mirror (`Publisher(deltas=True)`) is read as its
+    delta alone: the section is checked against its digests, the copy of the base
+    patched, and the result checked against the version's digests; a section that does
+    not match, from a relay, is a failed relay (read afresh elsewhere); any other patch
+    that does not match is read whole, under the same lease (docs/guides/bytes.md). A
+    puller with `host` also reads a version's delta section when it reads it whole, so
+    that as a relay it serves deltas of what it holds.
+
     Args:
         registry: The registry versions are leased from (a `StreamingRegistry` with
             `stream`, a `RelayingRegistry` with `host`).
@@ -325,6 +337,8 @@ class Puller:
             `stall_timeout`).
         relaying: The relay settings (`RelaySettings`: `host`, `relay`, `relay_cap`,
             `spare_mirror`).
+        deltas: Patch a held version into a newer one from its delta (see above);
+            False reads every version whole.
         **flat: The same settings one by one (`FlatPullerArgs`).
 
     Raises:
@@ -349,6 +363,7 @@ class Puller:
         clock: Clock | None = None,
         lease: LeaseSettings | None = None,
         relaying: RelaySettings | None = None,
+        deltas: bool = True,
         **flat: Unpack[FlatPullerArgs],
     ) -> None:
         settings = puller_settings(
@@ -382,6 +397,8 @@ class Puller:
         self.stream = stream
         self.mirror: Region | None = None
         self.mirror_version: int | None = None  # what the mirror holds, verified
+        self.deltas = deltas
+        self._held: dict[int, Manifest] = {}  # the manifests of what the mirrors hold, verified: a delta's base
         self.layout_signature: str | None = None
         self.layout_changes = 0
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
@@ -390,7 +407,15 @@ class Puller:
         self._last: Pulled | None = None
         self._pulled_from = ""  # the source of the last copy _pull made ("": the slot)
         self._behind: int | None = None  # versions the mirror lagged when the last pull began
-        self._counts = {"pulls": 0, "failed": 0, "torn_reads": 0, "stalls": 0, "borrows": 0}
+        self._counts = {
+            "pulls": 0,
+            "failed": 0,
+            "torn_reads": 0,
+            "stalls": 0,
+            "borrows": 0,
+            "patched": 0,
+            "unpatched": 0,
+        }
 
     @property
     def registry(self) -> Registry:
@@ -627,8 +652,9 @@ class Puller:
         good pull's version, seconds, bytes, GB/s and lease renewals; how many versions
         the mirror lagged when it began (pulls of the newest after a first one only); and
         counts since this puller was made: good pulls, failed ones, torn reads among
-        them, stalls (`NoProgressError`), and versions borrowed in place whose lease held
-        (`borrow`)."""
+        them, stalls (`NoProgressError`), versions borrowed in place whose lease held
+        (`borrow`), versions patched from their delta (`patched`), and patches that did
+        not match and were read whole instead (`unpatched`)."""
         out: dict[str, int | float] = {f"pull/{k}": v for k, v in self._counts.items()}
         last = self._last
         if last is not None:
@@ -671,7 +697,8 @@ class Puller:
             self.checker.checkable(manifest, must=self.host is not None or self._insist)  # refused before any read
             if self.spare_mirror and self.offered is not None:
                 self.mirror, self.mirror_version = await self.relays.take_spare(self.mirror, self.mirror_version)
-            mirror = self._mirror_for(manifest.layout)
+            mirror = self._mirror_for(manifest.layout, manifest.delta.room if manifest.delta else 0)
+            base = self._base_for(manifest)  # where the delta's base is, if held (the mirror grew keeping it)
             source = lease.source  # as the acquire placed it: "" for the slot, else a relay
             relayed = attrs.evolve(manifest, source=lease.descriptor) if source else manifest
             self.relays.reading_from = source
@@ -682,10 +709,16 @@ class Puller:
                 if source:  # a relay gone before the first read: read it elsewhere
                     raise _SourceFailed(source, lease.version) from exc
                 raise
-            self.mirror_version = None  # overwritten from here on
+            if base is None:
+                self.mirror_version = None  # overwritten from here on (a patch: once its section checked)
+            patched = False
             try:
-                lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror)
-                if source:  # bytes no lease vouches for: each bucket against the publisher's digest
+                if base is not None:
+                    lease, renewals, patched = await self._patched(lease, pacer, manifest, relayed, reads, base)
+                else:  # a relay-to-be reads the delta section too: it then serves deltas of what it holds
+                    first = self._delta_reads(relayed) if self.host is not None else []
+                    lease, renewals = await self._read_all(lease, pacer, manifest, reads, mirror, first)
+                if source and not patched:  # bytes no lease vouches for: each bucket against the publisher's digest
                     manifest = await self._verify_relayed(manifest, mirror, source)
             except (TransportError, NoProgressError, DigestMismatchError) as exc:
                 if source:  # the relay failed this copy: all of it is dropped, read elsewhere
@@ -696,18 +729,110 @@ class Puller:
                         manifest
                     )  # the memory or peer behind those connections is gone or stuck: connect afresh
                 raise
-            if not source:  # a relayed copy was checked above, every bucket, once
+            if not source and not patched:  # a relayed or patched copy was checked above, every bucket, once
                 if self.stream and manifest.digests is None and self.verify_digests:
                     manifest = await self._manifest(manifest.version)  # streamed without: the READY one may have them
                 must = self.host is not None or self._insist
                 if manifest.digests is not None and self.verify_digests and self.checker.checkable(manifest, must=must):
                     await self.checker.verify(manifest, mirror)
             self.mirror_version = manifest.version
+            self._hold(manifest)
             self._pulled_from = source
-            return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals)
+            base_version = manifest.delta.base if patched and manifest.delta else None
+            return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals, base_version)
         finally:
             self._manifests.pop(lease.version, None)  # a manifest is trusted for one lease's span
             await self.leases.release(lease)
+
+    def _base_for(self, manifest: Manifest) -> Region | None:
+        """The host mirror that holds, verified, the base of the version's delta (this
+        mirror, or the spare one a relay keeps), if a patch can make the version from it:
+        the same publisher's, of the same layout; else None (read it whole)."""
+        delta = manifest.delta
+        if delta is None or not self.deltas or manifest.shards or self.device != "cpu":
+            return None
+        held = self._held.get(delta.base)
+        if held is None or held.publisher != manifest.publisher or held.layout.signature != manifest.layout.signature:
+            return None
+        for region, version in ((self.mirror, self.mirror_version), self.relays.spare[:2]):
+            if region is not None and version == delta.base and region.view is not None:
+                return region
+        return None
+
+    def _hold(self, manifest: Manifest) -> None:
+        """The mirror now holds `manifest`'s version: forget what no mirror holds any more."""
+        self._held[manifest.version] = manifest
+        kept = {self.mirror_version, self.relays.spare[1]}
+        for version in [v for v in self._held if v not in kept]:
+            del self._held[version]
+
+    def _delta_reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
+        """The reads of the version's delta section (each piece into its place past the
+        version in the mirror), from `manifest.source`; none without a delta."""
+        if manifest.delta is None or manifest.shards:
+            return []
+        remote = self._remote(manifest.source)
+        return [(remote, offset, offset, n) for offset, n in manifest.delta_pieces()]
+
+    async def _patched(
+        self,
+        lease: Lease,
+        pacer: Pacer,
+        manifest: Manifest,
+        relayed: Manifest,
+        reads: list[tuple[Remote, int, int, int]],
+        base: Region,
+    ) -> tuple[Lease, int, bool]:
+        """Read the version's delta section under the lease, check it, patch the base's
+        copy into the mirror and check that against the version's digests: (the lease,
+        its renewals, True). A section from a relay that does not match raises
+        `DigestMismatchError` (the relay failed: read afresh elsewhere); any other patch
+        that fails is read whole under the same lease: (..., False)."""
+        delta, mirror, source = manifest.delta, self.mirror, self.relays.reading_from
+        assert delta is not None and mirror is not None
+        lease, renewals = await self._read_all(lease, pacer, manifest, [], mirror, self._delta_reads(relayed))
+        total = manifest.layout.total_bytes
+        view = mirror.host_view()
+        pieces = manifest.delta_pieces()
+
+        def check_section() -> int | None:
+            return next(
+                (
+                    i
+                    for i, ((o, n), d) in enumerate(zip(pieces, delta.digests, strict=True))
+                    if not matches(view[o : o + n], d)
+                ),
+                None,
+            )
+
+        bad = await anyio.to_thread.run_sync(check_section)
+        if bad is not None and source:
+            raise DigestMismatchError(
+                f"v{manifest.version}: piece {bad} of its delta read from {source!r} does not match the publisher's digest"
+            )
+        why = f"piece {bad} of its delta does not match its digest"
+        self.mirror_version = None  # overwritten from here on
+        if bad is None:
+            if base is not mirror:  # the base is in the spare mirror, which relays still read: patch a copy
+                held = base.host_view()
+                await anyio.to_thread.run_sync(lambda: view.__setitem__(slice(0, total), held[:total]))
+            try:
+                await anyio.to_thread.run_sync(
+                    lambda: patch(view[:total], view[total : total + delta.nbytes], delta.word)
+                )
+                await self.checker.verify(manifest, mirror)
+            except DigestMismatchError as exc:
+                why = f"patched from v{delta.base}, {exc}"
+            else:
+                self._counts["patched"] += 1
+                if self.relays.forwarding is not None:  # the whole copy landed at once
+                    self.relays.forwarding.note(0, total)
+                    await self.relays.forwarding.send()
+                return lease, renewals, True
+        self._counts["unpatched"] += 1
+        log.warning("%s: v%s %s; reading it whole", self.holder, manifest.version, why)
+        lease, more = await self._read_all(lease, pacer, manifest, reads, mirror)
+        return lease, renewals + more, False
 
     def _reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
         """(remote, its offset, the mirror's offset, bytes) of each read a pull makes:
@@ -729,10 +854,19 @@ class Puller:
         manifest: Manifest,
         reads: list[tuple[Remote, int, int, int]],
         mirror: Region,
+        first: list[tuple[Remote, int, int, int]] | None = None,
     ) -> tuple[Lease, int]:
-        """Make every read (concurrently, as the transport sees fit) under the lease."""
+        """Make every read (concurrently, as the transport sees fit) under the lease; the
+        reads `first` (a delta section's) before any of the others."""
+        first = first or []
 
         async def read_all(note: Callable[[int], None]) -> None:
+            if first:
+                await self._read_many(
+                    [(remote, off, mirror, local_off, n) for remote, off, local_off, n in first], note
+                )
+                if not reads:  # a delta alone, of a version READY when leased
+                    return
             ended: list[Progress] = []  # how the stream ended, if it did before its last batch
             async with anyio.create_task_group() as readers:
                 if self.relays.forwarding is not None:  # a relay: in order, each read as early as it can land
@@ -754,9 +888,9 @@ class Puller:
         return await self.leases.read(
             lease,
             pacer,
-            read_all if reads or self.stream else None,  # else nothing to wait for (every tensor is empty)
+            read_all if reads or first or self.stream else None,  # else nothing to wait for (every tensor is empty)
             what=f"v{manifest.version}",
-            total=sum(read[3] for read in reads),
+            total=sum(read[3] for read in reads + first),
             source=f" from {manifest.publisher!r} over {manifest.transport}; is its publisher alive, and serving "
             "its transport's progress (`async with Publisher(...)`, or `publisher.serve()`)?",
         )
@@ -910,20 +1044,22 @@ class Puller:
         while len(self._manifests) > 4:
             self._manifests.popitem(last=False)
 
-    def _mirror_for(self, layout: Layout) -> Region:
-        """The registered mirror. A new layout signature means the model changed shape;
-        the mirror is re-registered only if the new layout needs more room."""
+    def _mirror_for(self, layout: Layout, room: int = 0) -> Region:
+        """The registered mirror, with `room` past the version for its delta section. A
+        new layout signature means the model changed shape; the mirror is re-registered
+        only if the new layout needs more room, keeping what it holds (a delta's base)."""
         if layout.signature != self.layout_signature:
             if self.layout_signature is not None:
                 self.layout_changes += 1
                 log.info("%s: layout changed to %s", self.holder, layout.signature[:8])
             self.layout_signature = layout.signature
-        if self.mirror is not None and self.mirror.nbytes >= layout.total_bytes:
+        if self.mirror is not None and self.mirror.nbytes >= layout.total_bytes + room:
             return self.mirror
-        if self.mirror is not None:
-            self.transport.deregister(self.mirror)
-            self.mirror = None
-        self.mirror = self.transport.allocate(layout.total_bytes, self.device)
+        old, self.mirror = self.mirror, self.transport.allocate(layout.total_bytes + room, self.device)
+        if old is not None:
+            if self.mirror_version is not None and old.view is not None and self.mirror.view is not None:
+                self.mirror.host_view()[: old.nbytes] = old.host_view()
+            self.transport.deregister(old)
         return self.mirror
 
     async def _view(self, manifest: Manifest) -> Region | None:
@@ -964,6 +1100,7 @@ class Puller:
             self.transport.deregister(self.mirror)
             self.mirror = None
             self.mirror_version = None
+        self._held.clear()
         spare = self.relays.drop_spare()
         if spare is not None:
             self.transport.deregister(spare)
