@@ -263,6 +263,7 @@ class Model:
     buckets: dict[int, int] = attrs.Factory(dict)  # a streamed version's bucket count
     marks: dict[int, int] = attrs.Factory(dict)  # a streamed version's buckets marked so far
     aborted: set[int] = attrs.Factory(set)  # versions whose publish failed once begun
+    delta_bases: dict[int, int] = attrs.Factory(dict)  # each version announced with a delta: its base
     gone: set[int] = attrs.Factory(set)  # versions whose slot's memory died with their publisher's process
     # The numbers reclaimed last, which no line may take yet.
     quarantined: collections.deque[int] = attrs.Factory(lambda: collections.deque(maxlen=QUARANTINED_NUMBERS))
@@ -494,6 +495,12 @@ class PublisherLink:
         await self.registry.reclaim(version)
         self.model.reclaimed(version)
 
+    async def commit(self, manifest) -> None:
+        await self.registry.commit(manifest)
+        if manifest.delta is not None:
+            assert not manifest.shards and manifest.delta.base < manifest.version
+            self.model.delta_bases[manifest.version] = manifest.delta.base
+
     async def stream(self, manifest) -> None:
         await self.registry.stream(manifest)
         self.layout = manifest.layout
@@ -649,6 +656,7 @@ class Pull:
     tensors: dict[str, bytes] | None = None
     ended: float = 0.0
     mirror: int | None = None  # the version its puller's mirror counts as holding, as it ended
+    kept: dict[str, bytes] | None = None  # a failed pull's: what the mirror holds of the version it still counts
 
 
 @attrs.define(eq=False)
@@ -664,6 +672,7 @@ class Reader:
     rate: float = 1.0  # its puller's clock: local seconds per second of the world's
     stalls: int = 0  # the world's stalls at `World.arm`
     applied: dict[str, int] = attrs.Factory(dict)  # per line, the newest version it pulled whole: they only go up
+    held: Pulled | None = None  # its last good pull (a later delta's base, while the mirror counts it)
     task: asyncio.Task | None = None  # the state machine's pull in flight
     scope: anyio.CancelScope | None = None
 
@@ -682,9 +691,13 @@ class Reader:
             except Exception as exc:  # judged by World.check_pull
                 run.outcome = exc
             else:  # the copy is the caller's only until its next pull starts
-                run.outcome = pulled
+                run.outcome = self.held = pulled
                 run.tensors = {p.spec.name: bytes(pulled.view(p.spec.name)) for p in pulled.layout.placements}
             run.mirror = self.puller.mirror_version
+            if not isinstance(run.outcome, Pulled) and run.mirror is not None:  # failed, yet holding a version
+                assert self.held is not None and self.held.version == run.mirror and self.puller.mirror is not None
+                view = self.puller.mirror.host_view()
+                run.kept = {p.spec.name: bytes(view[p.offset : p.end]) for p in self.held.layout.placements}
         run.ended = self.clock.now()
         return run
 
@@ -696,7 +709,8 @@ class World:
     another driver between real processes later) and `make_registry()` the registry (a
     served one, which a `restart_registry` rule would restart, later)."""
 
-    def __init__(self, num_slots: int, publishers: int = 1) -> None:
+    def __init__(self, num_slots: int, publishers: int = 1, deltas: bool = False) -> None:
+        self.deltas = deltas  # publishers record each version's delta from their last (and digests)
         self.clock = WorldClock()
         self.fabric = FakeFabric()
         self.registry = self.make_registry()
@@ -719,6 +733,8 @@ class World:
             name=name,
             clock=self.clock,
             adapter=adapter,
+            # Deltas as large as the version: the test data changes about a sixth of its bytes a version.
+            **({"deltas": True, "digests": "wsum64", "delta_room": 1.0} if self.deltas else {}),
         )
         return adapter.publisher
 
@@ -879,10 +895,23 @@ class World:
         streamed = reader.puller.stream
         ended_ready = record.lease.version in self.model.announced
         aborted = record.lease.version in self.model.aborted
-        if not isinstance(outcome, Pulled):  # whatever the failure, the mirror holds no version
-            assert run.mirror is None, f"{reader.name}: {outcome!r}, yet its mirror counts as v{run.mirror}"
+        if not isinstance(outcome, Pulled) and run.mirror is not None:
+            # Whatever the failure, the mirror counts as holding no version, or one it holds
+            # exactly: a delta's base, when the read failed before the patch began (only the
+            # section past the version was written).
+            assert run.kept == self.model.contents[run.mirror], (
+                f"{reader.name}: {outcome!r}, and its mirror counts as v{run.mirror} but holds other bytes"
+            )
+            of_delta = self.model.delta_bases.get(record.lease.version) == run.mirror
+            note(f"pull{' of a delta' if of_delta else ''}: {type(outcome).__name__}, what the mirror held kept whole")
         if isinstance(outcome, Pulled):
             note(f"pull{' streamed' if streamed else ''}: whole")
+            if outcome.base is not None:
+                assert self.model.delta_bases.get(outcome.version) == outcome.base, (
+                    f"{reader.name}: v{outcome.version} patched from v{outcome.base}, not the base it was published with"
+                )
+                gone = outcome.base not in self.model.states
+                note(f"pull: patched from its delta{', its base reclaimed by then' if gone else ''}")
             assert ended_ready, f"{reader.name}: handed on v{outcome.version}, which never turned READY"
             assert run.mirror == outcome.version, f"{reader.name}: pulled v{outcome.version}, mirror v{run.mirror}"
             assert not (lapsed or failed or torn), (

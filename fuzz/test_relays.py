@@ -6,8 +6,11 @@ midway); replicas (each a principal of its own) that start pulls with `host=`, p
 streaming, or streaming and relaying what they receive (`relay=True`: offered once a
 bucket lands, the count held advanced as more do); replicas that offer their mirrors as
 relays, die mid-serve (their transport closes and they fall silent, so their liveness
-lapses), turn hostile (a byte of an offered mirror flipped) or lie about how many
-buckets they hold; and time, timer by timer. Reads are slow (every read takes fake
+lapses), turn hostile (a byte of an offered mirror flipped), serve a delta of another base
+than the publisher's, or lie about how many buckets they hold; and time, timer by timer.
+The trainer records each version's delta from its last, so replicas that hold the base
+patch it, from the trainer's slot or from a relay, while the base is retired and its slot
+rewritten under them. Reads are slow (every read takes fake
 time), so deaths land mid-read and mid-stream. A reader whose relay fails must choose
 again. Invariants: every copy a pull hands on holds exactly one version's bytes, those its
 trainer published (never two versions' or two sources'); the registry's book of relays
@@ -33,9 +36,10 @@ from hypothesis.stateful import (
 )
 
 from weightpull import FakeClock, InProcessRegistry, Principal, Publisher, Puller, WeightpullError, WhenFull
+from weightpull.delta import encode
 from weightpull.drivers.fake import FakeFabric, FakeFaults, FakeTransport
 from weightpull.errors import VersionOrderError
-from weightpull.layout import TensorSpec, plan_layout
+from weightpull.layout import Layout, TensorSpec, plan_layout
 from weightpull.manifest import Manifest, bucket_digest
 from weightpull.relays import ORIGIN
 from weightpull.states import VersionState
@@ -50,10 +54,25 @@ SIZES = (700, 300, 1500)  # three buckets of 1 KiB at most: reads in several ste
 
 
 def tensors(version: int) -> dict[str, HostTensor]:
+    """Versions that differ from the one before in a tenth of their bytes (those at places
+    that move with the version), so that the trainer's deltas are small; any two versions
+    still differ in every tensor, so a mix shows."""
     return {
-        f"t{i}": HostTensor("uint8", (n,), bytes((version * 37 + i * 11 + k) % 253 for k in range(n)))
+        f"t{i}": HostTensor(
+            "uint8",
+            (n,),
+            bytes((version * 37 + k) % 253 if k % 20 == version % 20 else (i * 11 + k) % 251 for k in range(n)),
+        )
         for i, n in enumerate(SIZES)
     }
+
+
+def image(layout: Layout, data: dict[str, HostTensor]) -> bytes:
+    """A version's bytes as its slot holds them."""
+    out = bytearray(layout.total_bytes)
+    for p in layout.placements:
+        out[p.offset : p.end] = data[p.spec.name].data
+    return bytes(out)
 
 
 KINDS = ("plain", "stream", "relay")  # how a replica pulls: READY only, streamed, streamed and relayed
@@ -162,6 +181,8 @@ class RelayMachine(RuleBasedStateMachine):
             rollout_dtype=None,
             bucket_bytes=1024,
             digests=True,
+            deltas=True,  # each version's changes from the last: readers holding it patch
+            delta_room=0.5,
             num_slots=3,
             when_full=WhenFull.SKIP,
             name="trainer",
@@ -261,6 +282,35 @@ class RelayMachine(RuleBasedStateMachine):
             hostile.spoiled |= hostile.busy  # a relay still pulling spoils its own copy too: its own affair
             event("hostile relay" if not hostile.busy else "hostile relay mid-stream")
 
+    @rule(pick=st.integers(0, 3), back=st.integers(2, 3))
+    def serve_another_base(self, pick: int, back: int) -> None:
+        """A relay whose delta section is of another base than the publisher's (v-`back`,
+        not v-1): a bug, or a relay that patched a version from the wrong copy. Its readers
+        holding the right base must not keep a patch made of it."""
+        offering = [r for r in self.replicas if not r.dead and not r.busy and r.puller.offered is not None]
+        if not offering:
+            return
+        relay = offering[pick % len(offering)]
+        version = relay.puller.offered
+        try:
+            manifest = self.registry.machine.get(version)
+        except WeightpullError:  # reclaimed meanwhile: its offer is gone with it
+            return
+        if manifest.delta is None or version - back not in self.contents:
+            return
+        layout, room = manifest.layout, manifest.delta.room
+        other = memoryview(bytearray(room))
+        made = encode(
+            memoryview(image(layout, self.contents[version - back])),
+            memoryview(image(layout, self.contents[version])),
+            manifest.delta.word,
+            other,
+        )
+        if made is None:
+            return
+        relay.puller.mirror.host_view()[layout.total_bytes : layout.total_bytes + room] = other
+        event("a relay serves a delta of another base")
+
     @rule(pick=st.integers(0, 3), extra=st.integers(1, 3))
     def lie(self, pick: int, extra: int) -> None:
         """A relay says it holds more buckets than it does (up to what its version's
@@ -316,6 +366,12 @@ class RelayMachine(RuleBasedStateMachine):
             want = self.contents[pulled.version]
             assert all(bytes(pulled.view(n)) == t.data for n, t in want.items()), f"a mixed copy of v{pulled.version}"
             event("copy accepted" if replica.kind == "plain" else f"copy accepted ({replica.kind})")
+            if pulled.base is not None:
+                held = {v.version for v in self.registry.machine.status().versions}
+                gone = ", its base reclaimed by then" if pulled.base not in held else ""
+                event(
+                    f"copy patched from its delta{' (read from a relay)' if replica.puller.last_pull().source else ''}{gone}"
+                )
             self.accepted.append((replica.name, pulled.version))
 
     @invariant()
@@ -454,5 +510,35 @@ def test_replay_a_relay_that_lies_about_its_count_yields_no_copy_of_it(monkeypat
         assert "relay 'replica0' failed v2" in caplog.text and "digest" in caplog.text  # it read the lie
         assert ("replica1", 2) in machine.accepted  # then a copy from the origin alone
         assert machine.replicas[1].puller.metrics()["pull/failed"] == 0
+    finally:
+        machine.teardown()
+
+
+def test_replay_a_relays_delta_of_another_base_is_never_patched_in(monkeypatch, caplog) -> None:
+    """A program written out: replica1 holds v2; replica0 pulls v3, offers it, and its
+    delta section turns into v1's changes to v3, not v2's; replica1, handed that relay,
+    finds the section wrong before patching anything, and patches v3 from the trainer's."""
+    monkeypatch.setattr(anyio.to_thread, "run_sync", _inline)
+    machine = RelayMachine()
+    try:
+        machine.start(kinds=["plain", "plain"])  # v1
+        machine.publish()  # v2
+        machine.start_pull(1)
+        machine.time_passes(2.0)
+        machine.publish()  # v3: its delta is against v2
+        machine.start_pull(0)
+        machine.time_passes(2.0)
+        machine.time_passes(2.0)
+        machine.offer(0, None)
+        assert machine.replicas[0].puller.offered == 3
+        machine.serve_another_base(0, back=2)
+        machine.start_pull(1)
+        book = machine.registry.machine.relays
+        assert [book.source_of(i) for i in book.placed()] == ["replica0"]  # handed the relay
+        machine.time_passes(2.0)
+        machine.time_passes(2.0)
+        assert ("replica1", 3) in machine.accepted
+        assert "piece 0 of its delta read from 'replica0' does not match" in caplog.text
+        assert machine.replicas[1].puller.metrics()["pull/patched"] == 1  # from the trainer's slot
     finally:
         machine.teardown()
