@@ -43,10 +43,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightpull.errors import ApplyError, InvalidArgumentError, WeightpullError
+from weightpull.transports import transport_class
 
 from .engine import PullSpec
 from .mirrors import BackgroundPulls, error_from_info, error_info
-from .worker import WeightpullWorker
+from .worker import CHECKPOINT, WeightpullWorker
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,15 @@ class InitInfo(WeightTransferInitInfo):
     agent: AgentOptions | None = None
 
     @classmethod
-    def parse(cls, data: Any, *, holder: str, tensor_parallel: int) -> InitInfo:
+    def parse(cls, data: Any, *, holder: str) -> InitInfo:
         """From the init dict: `PullSpec`'s fields (`registry` required; `holder` defaults
-        to this engine's name; `sharded` to True at tensor parallel > 1 unless relays or
-        streaming are asked for) and an optional `agent` (True, or `AgentOptions`' fields).
+        to this engine's name; the others to `PullSpec`'s own defaults) and an optional
+        `agent` (True, or `AgentOptions`' fields).
 
         Raises:
             InvalidArgumentError: Not a dict, an unknown key, no registry, or a bad value.
+            UnknownDriverError: No transport of that name.
+            DriverUnavailableError: The transport cannot run here (its extra is missing).
         """
         if not isinstance(data, Mapping):
             raise InvalidArgumentError(f"weightpull's init_info must be a JSON object, got {type(data).__name__}")
@@ -116,12 +119,11 @@ class InitInfo(WeightTransferInitInfo):
                 "weightpull's init_info needs 'registry': the served registry's address (tcp://HOST:PORT)"
             )
         data.setdefault("holder", holder)
-        if "sharded" not in data:
-            data["sharded"] = tensor_parallel > 1 and not any(data.get(k) for k in ("host", "relay", "stream"))
         try:
             spec = PullSpec(**data)
         except TypeError as exc:
             raise InvalidArgumentError(f"weightpull's init_info: {exc}") from None
+        transport_class(spec.transport)  # a misspelt or missing driver, named before anything is touched
         if agent is None or agent is False:
             options = None
         elif agent is True:
@@ -183,6 +185,13 @@ class _Worker(WeightpullWorker):
         self.parallel_config = engine.parallel_config
         self.rank = rank
 
+    def weightpull_stop(self) -> None:
+        # The mirror of the version served goes with the pulls: from now on a failed apply
+        # has nothing to go back to (not the checkpoint: the model holds a version since).
+        if self._weightpull is not None and self._weightpull.pair.current is not None:
+            self._weightpull_fallback = None
+        super().weightpull_stop()
+
 
 def _noting(exc: WeightpullError, note: str) -> WeightpullError:
     """`exc` with `note` added to its message (its type and attributes kept)."""
@@ -212,6 +221,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._worker = _Worker(self, self.rank)
         self._info: InitInfo | None = None
         self._applied: int | None = None  # loaded on every worker, not yet committed
+        self._served: int | str | None = CHECKPOINT  # what the model holds (None: unknown, a failed restore)
         self._agent: Any = None  # the first worker's `ServerAgent`, with `agent`
 
     @property
@@ -221,7 +231,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return f"vllm-{socket.gethostname()}-{instance}"
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
-        return InitInfo.parse(init_dict, holder=self.holder, tensor_parallel=self.parallel_config.tensor_parallel_size)
+        return InitInfo.parse(init_dict, holder=self.holder)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
         if not isinstance(update_dict, Mapping):
@@ -236,18 +246,23 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     # -- vLLM's steps ------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
+        if init_info == self._info and (init_info.agent is None or (self._agent is not None and self._agent.running)):
+            # The same settings again (a trainer restarted): the mirrors stay, and with them
+            # the version served, which a failed apply goes back to.
+            log.info("weightpull: worker %d already pulls as asked; kept as it is", self.rank)
+            return
         self.shutdown()
         status = self._worker.weightpull_start(attrs.asdict(init_info.spec))
         if status.get("error"):
             raise error_from_info(status["error"])
         self._info = init_info
         log.info(
-            "weightpull: worker %d of %d pulls from %s as %r%s",
+            "weightpull: worker %d of %d pulls from %s as %r (sharded=%r)",
             self.rank,
             self.world,
             init_info.spec.registry,
             init_info.spec.holder,
-            " (its slice)" if init_info.spec.sharded else "",
+            init_info.spec.sharded,
         )
         if init_info.agent is not None and self.rank == 0:
             from .server_agent import ServerAgent
@@ -268,7 +283,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._applied = version
             return
         if result["ok"]:  # loaded here, failed on another worker: back to the last good one
-            restored = self._worker.weightpull_revert()
+            restored = self._served = self._worker.weightpull_revert()
             raise ApplyError(
                 f"v{version} failed on another worker of this replica; every worker holds {restored!r} again",
                 version=version,
@@ -276,7 +291,8 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             )
         cause, restored = error_from_info(result["error"]), result["restored"]
         if result.get("stage") == "pull":  # nothing was touched
-            raise _noting(cause, f"the replica still serves {restored!r}")
+            raise _noting(cause, f"the replica still serves {self._served!r}")
+        self._served = restored
         raise ApplyError(
             f"applying v{version} failed ({type(cause).__name__}: {cause}); "
             + (
@@ -301,7 +317,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     "version": version,
                     "stage": "pull",
                     "error": error_info(exc),
-                    "restored": self.serving(),
+                    "restored": self._served,
                 }
             self._pulls().prefetch(version)
         return self._worker.weightpull_apply(version, timeout)
@@ -311,6 +327,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if version is None:
             return  # a session that only prefetched, or whose update failed
         self._worker.weightpull_commit(version)
+        self._served = version
         if self.rank == 0 and self._agent is None:  # the agent reports what it applies itself
             self._report(version)
 
@@ -361,5 +378,6 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             log.warning("weightpull: could not report serving v%s: %s", version, exc)
 
     def serving(self) -> int | str | None:
-        """The version this worker's model holds (the checkpoint's name before any)."""
-        return self._worker._weightpull_serving() if self._worker._weightpull is not None else None
+        """The version this worker's model holds: the last committed, the checkpoint's name
+        ("checkpoint") before any, None once a failed apply could not restore one."""
+        return self._served

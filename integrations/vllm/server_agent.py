@@ -166,6 +166,11 @@ class ServerAgent:
                 self.agent.serving = serving
             await self.agent.run()
 
+    @property
+    def running(self) -> bool:
+        """Whether the agent still runs (it stops only on a failure, which it logs)."""
+        return self._future is not None and not self._future.done()
+
     def stop(self) -> None:
         if self._future is not None:
             self._future.cancel()
