@@ -4,8 +4,8 @@ against a measured fan-out.
 Predicts the time until N replicas serve a model, with and without relays, for the
 models in `MODELS` at a host bandwidth (400 Gbit/s by default), and draws it beside the
 published figures of other systems (`--plot`, with matplotlib: the `plot` extra).
-`validate` calibrates the model on a measured fan-out's one-replica row and predicts the
-rest of the measured run: its link from the time, and, where the run measured CPU, what
+`validate` calibrates the model on a measured fan-out's one-replica row (whole replicas,
+or tensor-parallel ones, each rank a slice) and predicts the rest of the measured run: its link from the time, and, where the run measured CPU, what
 each byte costs the sender's and the reader's CPU (and the reader's check of its copy),
 all hosts sharing the run's cores. The predictions at scale leave CPU out: real hosts
 each have their own cores, which a link of 400 Gbit/s with RDMA barely uses.
@@ -127,11 +127,13 @@ def calibrate(measured: dict[str, Any]) -> Calibration:
     cpus = measured.get("cpus") or base.get("cpus")
     if cpus is None or "trainer_cpu_s" not in base or "replica_cpu_s" not in base:
         return Calibration(bandwidth=nbytes / seconds)
-    check = base.get("verify_cpu_s") or 0.0
-    if check >= seconds:
+    check = base.get("verify_cpu_s") or 0.0  # CPU seconds, over every rank of the replica
+    parts = measured.get("tp") or 1
+    check_s = check / parts * max(1.0, parts / cpus)  # the ranks' checks at once, each on a core while they last
+    if check_s >= seconds:
         raise InvalidArgumentError(f"the one-replica check took {check} s of CPU, the whole copy {seconds} s")
     return Calibration(
-        bandwidth=nbytes / (seconds - check),  # the check is on one core, after the last byte
+        bandwidth=nbytes / (seconds - check_s),  # the check comes after the last byte
         cpus=int(cpus),
         send_cpu=base["trainer_cpu_s"] / nbytes,
         recv_cpu=max(0.0, base["replica_cpu_s"][0] - check) / nbytes,
@@ -142,10 +144,14 @@ def calibrate(measured: dict[str, Any]) -> Calibration:
 def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
     """Each row of a measured fan-out (`bench fanout`'s JSON) beside the model's
     prediction, calibrated on the run's one-replica row alone (`calibrate`): its link and,
-    when measured, its CPU per byte, every host sharing the run's cores. Each row also
-    says the CPU the model demanded (core-seconds) beside what the run's processes spent."""
+    when measured, its CPU per byte, every host sharing the run's cores. A run of
+    tensor-parallel replicas (`tp`) is modelled as such: each replica's ranks are slices
+    of their own layouts sharing its host's link (`parts`), relayed once whole, the
+    trainer's slot taking the run's `origin_cap`. Each row also says the CPU the model
+    demanded (core-seconds) beside what the run's processes spent."""
     rows = measured["rows"]
     cal = calibrate(measured)
+    parts = measured.get("tp") or 1  # a replica's tensor-parallel ranks: their slices, relayed once whole
     out = []
     for row in rows:
         s = Scenario(
@@ -154,7 +160,10 @@ def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
             bucket_bytes=measured["bucket_bytes"],
             bandwidth=cal.bandwidth,
             relays=bool(measured.get("relays")),
+            forward=parts == 1,
             cap=measured.get("cap"),
+            origin_cap=measured.get("origin_cap", measured.get("cap")),
+            parts=parts,
             cpus=cal.cpus,
             send_cpu=cal.send_cpu,
             recv_cpu=cal.recv_cpu,

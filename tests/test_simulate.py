@@ -77,6 +77,42 @@ def test_a_replica_that_dies_after_serving_costs_nobody_a_restart():
     assert out.restarts == 0 and out.serve_s[0] is None
 
 
+# Slices: a tensor-parallel replica's ranks each read a slice of their own layout, on one host.
+
+
+def test_a_hosts_slices_share_its_link():
+    # two slices, each half the bytes at half the link (both ends of it split in two), each
+    # in four buckets of its own: the pauses of four buckets, not eight
+    s = Scenario(replicas=1, parts=2, **BASE)
+    assert simulate(s).all_serve_s == pytest.approx(one_read_s(s))
+    assert one_read_s(s) == pytest.approx(T_BYTES + 4 * 0.003)
+    assert s.slice_bytes == 32 * MiB and len(s.buckets) == 4
+
+
+def test_without_relays_sliced_replicas_cost_the_trainers_link_what_whole_ones_do():
+    whole = simulate(Scenario(replicas=6, **CLEAN)).all_serve_s
+    assert simulate(Scenario(replicas=6, parts=2, **CLEAN)).all_serve_s == pytest.approx(whole)
+    assert whole == pytest.approx(6 * T)
+
+
+def test_slices_relayed_once_whole_by_the_same_rank():
+    # the trainer takes two readers (of either layout), each relay one. Layout 0 asks first:
+    # r1.0 and r2.0 read the trainer at half its link (T). Then r3.0 reads the trainer (it
+    # has room, and 0 hops beats a relay's 1) beside r1.1, both at half its link, until 2T;
+    # a relay serves only its own layout, so r2.1 and r3.1 wait. Last, r2.1 reads the
+    # trainer and r3.1 relay r1.1, each alone on a link: T/2 more
+    s = Scenario(replicas=3, relays=True, forward=False, cap=1, origin_cap=2, parts=2, **CLEAN)
+    out = simulate(s)
+    assert out.all_serve_s == pytest.approx(2.5 * T)
+    assert out.serve_s == pytest.approx((2 * T, 2.5 * T, 2.5 * T)) and out.max_hops == 2
+    assert simulate(Scenario(replicas=3, parts=2, **CLEAN)).all_serve_s == pytest.approx(3 * T)  # direct
+
+
+def test_the_trainers_cap_defaults_to_every_sources():
+    assert Scenario(replicas=2, cap=3, **BASE).origin_cap == 3
+    assert Scenario(replicas=2, cap=3, origin_cap=None, **BASE).origin_cap is None
+
+
 # CPUs: hand-checked cases with round figures. A link of 100 MB/s carrying the version takes
 # T; each busy link costs its source and reader LINK_CPU together, in cores.
 CLEAN = dict(nbytes=64 * MiB, bucket_bytes=8 * MiB, bandwidth=100e6)
@@ -147,6 +183,8 @@ def test_the_same_scenario_gives_the_same_outcome():
         dict(cpus=1.5),
         dict(send_cpu=-1e-9),
         dict(verify_cpu=-1),
+        dict(parts=0),
+        dict(origin_cap=0),
     ],
 )
 def test_bad_scenarios_are_refused(bad):
@@ -167,9 +205,11 @@ def test_bad_scenarios_are_refused(bad):
     cpus=st.none() | st.integers(1, 3),
     cores_per_link=st.sampled_from([0.0, 0.3, 1.5]),
     check_s=st.sampled_from([0.0, 0.05]),
+    parts=st.integers(1, 3),
+    origin_cap=st.none() | st.integers(1, 4),
 )
 def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
-    n, buckets, relays, cap, forward, deaths, cpus, cores_per_link, check_s
+    n, buckets, relays, cap, forward, deaths, cpus, cores_per_link, check_s, parts, origin_cap
 ):
     failures = [Failure(r, at) for r, at in deaths if r <= n]
     s = Scenario(
@@ -186,6 +226,8 @@ def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
         cpus=cpus,
         send_cpu=cores_per_link / 10e6,
         verify_cpu=check_s / (buckets * MiB),
+        parts=parts,
+        origin_cap=origin_cap,
     )
     out = simulate(s)
     dead = {f.replica for f in failures}

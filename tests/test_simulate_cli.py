@@ -78,6 +78,31 @@ def test_a_measured_run_with_cpu_figures_shares_the_runs_cores(capsys, tmp_path)
     assert "direct:" in out and "-9.1%" in out
 
 
+def test_a_measured_run_of_tensor_parallel_replicas_is_modelled_as_slices(capsys, tmp_path):
+    # two ranks a replica: the one-replica row's two slices share the trainer's link (2.0 s);
+    # relayed, each rank's slice is offered once whole, the same rank of another replica
+    # reads it, and the trainer's slot takes two ranks at once: 2.5 copies' time for three
+    one = {"replicas": 1, "all_serve_s": 2.0}
+    run_ = {"size_bytes": 256 << 20, "bucket_bytes": 16 << 20, "tp": 2, "cap": 1, "origin_cap": 2}
+    path = tmp_path / "tp.json"
+    direct = {**run_, "relays": False, "cap": None, "origin_cap": None}
+    relays = {**run_, "relays": True}
+    path.write_text(
+        json.dumps(
+            {
+                "direct": {**direct, "rows": [one, {"replicas": 3, "all_serve_s": 6.6}]},
+                "relays": {**relays, "rows": [one, {"replicas": 3, "all_serve_s": 5.5}]},
+            }
+        )
+    )
+    status, out, _ = run(capsys, "simulate", "--measured", str(path), "--json")
+    assert status == 0
+    checked = json.loads(out.splitlines()[-1])["validation"]
+    assert checked["direct"][1]["simulated_s"] == pytest.approx(6.0, rel=0.001)
+    assert checked["relays"][1]["simulated_s"] == pytest.approx(5.0, rel=0.001)
+    assert checked["relays"][1]["error"] == pytest.approx(5.0 / 5.5 - 1, abs=0.001)
+
+
 def test_the_model_is_calibrated_on_the_one_replica_row_alone():
     from weightpull.integrations.simulate import calibrate, validate
 
