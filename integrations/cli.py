@@ -455,7 +455,13 @@ def _bench_sharded(args: argparse.Namespace) -> int:
 
     try:
         result = sharded.run(
-            args.preset, args.transport, args.shards, args.ranks, args.repeat, say_to_stderr("sharded")
+            args.preset,
+            args.transport,
+            args.shards,
+            args.ranks,
+            args.repeat,
+            say_to_stderr("sharded"),
+            stream=not args.no_stream,
         )
     except ValueError as exc:  # an unknown preset, say: the command line's
         raise UsageError(str(exc)) from exc
@@ -831,7 +837,10 @@ def _bench_parser(sub: Any) -> None:
         "chunk of a Qwen3-shaped set; RANKS replica ranks pull their vLLM-style tensor-parallel "
         "slices at once, REPEAT times, beside one rank pulling the whole version from the same "
         "shards, and rank 0's strided (2-D) reads timed natively, one read per row and as "
-        "contiguous reads of the same bytes. Every slice is checked bit for bit. With cuda_ipc, "
+        "contiguous reads of the same bytes. Then, streamed: one trainer publishes the whole version "
+        "while the ranks read their slices (the copy and the reads overlapping), beside the same pull "
+        "after the publish and rank 0 streaming the whole version; each from the trainer's start "
+        "until the last rank holds its copy. Every slice is checked bit for bit. With cuda_ipc, "
         "shard i and rank i sit on cuda:i (docs/guides/sharding.md).",
     )
     sharded.add_argument("--preset", default="tiny", help="tensor set: tiny, 0.6b or 8b (default: tiny)")
@@ -841,6 +850,12 @@ def _bench_parser(sub: Any) -> None:
     sharded.add_argument("--shards", type=_count(1), default=2, help="trainer shards, M (default: 2)")
     sharded.add_argument("--ranks", type=_count(1), default=2, help="tensor-parallel ranks, N (default: 2)")
     sharded.add_argument("--repeat", type=_count(1), default=5, help="timed updates, after one to warm up (default: 5)")
+    sharded.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="leave out the streamed part: a trainer publishing whole while the ranks read their slices, beside "
+        "the same after the publish and rank 0 streaming the whole version",
+    )
     sharded.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     sharded.set_defaults(func=_bench_sharded)
 

@@ -1,7 +1,7 @@
 """Sharded pulls: each tensor-parallel rank of a replica reads only its slice, from the
 trainer's M shards, against one rank reading the whole version from the same shards.
 
-    weightpull bench sharded [--preset 8b] [--transport cuda_ipc] [--shards 2] [--ranks 2] [--json]
+    weightpull bench sharded [--preset 8b] [--transport cuda_ipc] [--shards 2] [--ranks 2] [--no-stream] [--json]
 
 M trainer shards, each a process of its own (threads for `fake`) on its own device
 (cuda:i with cuda_ipc), publish one version of a Qwen3-shaped set: shard i holds FSDP2's
@@ -14,10 +14,14 @@ and as contiguous reads of the same bytes (what a publisher layout that made eac
 share contiguous would give). Every rank's slice is then checked, bit for bit, against its
 own pull of the whole version sliced by torch.
 
-The ranks' layout is vLLM's for Qwen3 (fused qkv and gate_up column-parallel, o_proj and
-down_proj row-parallel, vocab-parallel embedding and LM head padded to 64, norms
-replicated), built here for the bench's model; a vLLM replica derives its own from the
-engine (`weightpull.integrations.vllm.slices`).
+The ranks' layout is vLLM's for Qwen3 (`tensor_parallel.tp_slice`: fused qkv and gate_up
+column-parallel, o_proj and down_proj row-parallel, vocab-parallel embedding and LM head
+padded to 64, norms replicated), built for the bench's model; a vLLM replica derives its
+own from the engine (`weightpull.integrations.vllm.slices`).
+
+Then, streamed (`sharded_stream`): one trainer publishing the whole version while the
+ranks read their slices, beside the same pull after the publish and rank 0 streaming the
+whole version (sharded versions do not stream: their publishers publish them whole).
 """
 
 from __future__ import annotations
@@ -34,46 +38,19 @@ import torch
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, Sharding, create_transport
 from weightpull.integrations.processes import owns_children
 from weightpull.integrations.torch_tensors import as_tensors
-from weightpull.layout import TensorSpec
 from weightpull.sharding import chunk_rows
 from weightpull.slice_puller import SlicePuller
-from weightpull.slices import Param, RankSlice, SlicePlan, fuse, replicated, sharded, vocab
+from weightpull.slices import Param, SlicePlan
 from weightpull.transport import Transport
 
 from .child import Child
 from .presets import PRESETS
+from .tensor_parallel import tp_slice
 
 BUCKET_BYTES = 256 << 20
 
 
-# -- the ranks' layout ------------------------------------------------------------------------
-
-
-def tp_slice(shapes: list[tuple[str, tuple[int, ...]]], rank: int, ranks: int, dtype: str = "bfloat16") -> RankSlice:
-    """Rank `rank` of `ranks` of a Qwen3 as vLLM shards it (see the module's docstring)."""
-    specs = {name: TensorSpec(name, dtype, shape) for name, shape in shapes}
-    params: list[Param] = []
-    for name, spec in specs.items():
-        stem, _, leaf = name.rpartition(".")
-        if leaf != "weight":
-            params.append(replicated(spec))
-        elif name.endswith("self_attn.q_proj.weight"):
-            base = name.removesuffix("q_proj.weight")
-            parts = [sharded(specs[f"{base}{p}_proj.weight"], 0, rank, ranks) for p in "qkv"]
-            params.append(fuse(f"{base}qkv_proj.weight", parts))
-        elif name.endswith("mlp.gate_proj.weight"):
-            base = name.removesuffix("gate_proj.weight")
-            parts = [sharded(specs[f"{base}{p}_proj.weight"], 0, rank, ranks) for p in ("gate", "up")]
-            params.append(fuse(f"{base}gate_up_proj.weight", parts))
-        elif name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
-            continue  # fused above
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            params.append(sharded(spec, 1, rank, ranks))
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            params.append(vocab(spec, rank, ranks, pad_to=64))
-        else:  # norms
-            params.append(replicated(spec))
-    return RankSlice(rank, ranks, params)
+# -- what a rank's slice must hold -----------------------------------------------------------
 
 
 def expected(whole: dict[str, torch.Tensor], param: Param, device: str) -> torch.Tensor:
@@ -222,8 +199,17 @@ def _rank_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 @owns_children
 def run(
-    preset: str, transport: str, shards: int, ranks: int, repeat: int, say: Callable[[str], None]
+    preset: str,
+    transport: str,
+    shards: int,
+    ranks: int,
+    repeat: int,
+    say: Callable[[str], None],
+    stream: bool = True,
 ) -> dict[str, Any]:
+    """The sharded figures (see the module's docstring), then, with `stream`, the streamed
+    ones (`sharded_stream`): a trainer publishing whole, its copy and the ranks' reads
+    overlapping, beside the same after the publish and one rank streaming the whole."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     thread = transport == "fake"  # its peers share one process
@@ -269,6 +255,11 @@ def run(
                 c.stop()
             except Exception:  # noqa: BLE001 - it may have died; the error above says why
                 pass
+    streamed = None
+    if stream:  # the shards' processes are gone: their memory is free again
+        from . import sharded_stream
+
+        streamed = sharded_stream.run(preset, transport, ranks, repeat, device, say)
     update = statistics.median(max(r) for r in rounds)
     per_rank = [
         {
@@ -294,7 +285,8 @@ def run(
         "ratio": round(update / whole_seconds, 3),
         "two_d": {k: round(v, 4) if isinstance(v, float) else v for k, v in ways.items()},
         "mismatched": {r: b for r, b in enumerate(bad) if b},
-        "bit_exact": not any(bad),
+        "bit_exact": not any(bad) and (streamed is None or streamed["bit_exact"]),
+        "streamed": streamed,
     }
 
 
@@ -319,5 +311,17 @@ def table(r: dict[str, Any]) -> list[str]:
         f"rank 0's {w['reads_2d']} 2-D reads ({w['rows']} rows, {w['bytes'] / gb:.3f} GB): 2-D {w['seconds_2d']:.4f} s, "
         f"one read per row {w['seconds_per_row']:.4f} s, contiguous {w['seconds_contiguous']:.4f} s"
     )
-    lines.append("every slice bit-exact" if r["bit_exact"] else f"MISMATCHED: {r['mismatched']}")
+    st = r.get("streamed")
+    if st:
+        held, gb_whole = st["publish_to_held_s"], r["whole_bytes"] / gb
+        lines += [
+            f"streamed ({r['ranks']} ranks, a trainer publishing the {gb_whole:.2f} GB whole; from its start until "
+            "the last rank held its copy, medians):",
+            f"  sliced, read while the trainer copies  {held['sliced_streamed']:.4f} s",
+            f"  sliced, read after the publish         {held['sliced_after']:.4f} s",
+            f"  whole (rank 0), read while it copies   {held['whole_streamed']:.4f} s",
+            f"  ratio streamed/whole {st['streamed_vs_whole']:.3f}; streamed/after {st['streamed_vs_after']:.3f}",
+        ]
+    mismatched = {**r["mismatched"], **({"streamed": st["mismatched"]} if st and st["mismatched"] else {})}
+    lines.append("every slice bit-exact" if r["bit_exact"] else f"MISMATCHED: {mismatched}")
     return lines
