@@ -24,6 +24,7 @@ PERIOD = 65521
 BLOCK = 2048  # words a program loads at once (16 KiB of 8-byte words); at most PERIOD
 SPAN = BLOCK * 16  # words a program sums
 WARPS = 8
+FEW = 4  # sets of at most this many tensors take `fingerprint`, one launch each
 
 
 @triton.jit
@@ -112,16 +113,27 @@ def fingerprint_many(words: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each of `words` (as `fingerprint` takes them, all on one CUDA device): their
     fingerprints as an int64 tensor on that device, in order (no host transfer)."""
     device = words[0].device
-    out = torch.zeros(len(words), dtype=torch.int64, device=device)
+    if len(words) == 1 and words[0].numel():
+        return fingerprint(words[0]).reshape(1)
+    if len(words) <= FEW:  # a layer's: the table would cost more launches than it saves
+        return torch.stack(
+            [fingerprint(w) if w.numel() else torch.zeros((), dtype=torch.int64, device=device) for w in words]
+        )
     groups: dict[int, list[int]] = {}
+    single = []
     for i, w in enumerate(words):
         if not w.numel():
             continue  # 0
         if w.data_ptr() % 16:  # the table kernel reads 16-byte aligned words only
-            out[i] = fingerprint(w)
+            single.append(i)
         else:
             groups.setdefault(w.element_size(), []).append(i)
     with torch.cuda.device(device):
+        if not single and len(groups) == 1 and len(next(iter(groups.values()))) == len(words):
+            return _group(words, list(range(len(words))), next(iter(groups)), device)  # a model's, often
+        out = torch.zeros(len(words), dtype=torch.int64, device=device)
+        for i in single:
+            out[i] = fingerprint(words[i])
         for width, members in groups.items():
             out[members] = _group(words, members, width, device)
     return out

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def result() -> dict:
     cmd = [sys.executable, "-m", "weightpull", "bench", "vllm", "--preset", "tiny", "--updates", "2"]
-    cmd += ["--unchecked", "1", "--max-tokens", "4", "--json"]
+    cmd += ["--unchecked", "1", "--max-tokens", "4", "--path-repeat", "1", "--json"]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -49,6 +49,22 @@ def test_the_figures(result: dict) -> None:
         assert r["trainer_blocked_ms"] > 0 and r["pull_ms"] > 0
     assert result["transport"] == "nixl" and result["nbytes"] == sum(2 * n for n in _sizes())
     assert set(result["summary"]) == {"check_on", "check_off"}
+    for r in result["updates"]:  # on the CPU the norms load straight; the linear layers repack
+        assert r["direct_layers"] > 0 and r["fingerprint_by"] == "torch"
+        assert (r["check_over_apply"] is not None) == r["check"] and (r["scratch_layers"] > 0) == r["check"]
+
+
+def test_the_apply_paths_side_by_side_keep_the_outputs(result: dict) -> None:
+    paths = result["apply_paths"]
+    assert paths["outputs_unchanged"] and result["checks"]["apply_paths_keep_outputs"]
+    assert set(paths["by_path"]) == {
+        f"{p}, check {c}" for p in ("direct", "layerwise", "reference") for c in ("on", "off")
+    }
+    by = paths["by_path"]
+    assert by["direct, check on"]["direct_layers"] > 0 and by["layerwise, check on"]["direct_layers"] == 0
+    assert by["reference, check on"]["scratch_layers"] == by["reference, check on"]["layerwise_layers"]
+    assert all(p["check_ms"] == 0 for name, p in by.items() if name.endswith("off"))
+    assert all(p["check_ms"] > 0 for name, p in by.items() if name.endswith("on"))
 
 
 def test_the_ipc_baseline_is_reported_not_run_on_cpu(result: dict) -> None:

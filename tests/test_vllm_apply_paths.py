@@ -1,8 +1,8 @@
 """The apply's paths on a real vLLM engine: layers loaded straight into the tensors the
 kernels use, and through vLLM's layerwise reload, side by side.
 
-One CPU engine (a tiny Qwen3, bf16) whose unquantized linear layers keep their weights as
-on a GPU (vLLM's own `_cpu_skip_gemm_dispatch` branch: plain `F.linear`, no oneDNN repack),
+One CPU engine (a tiny Qwen3, bf16; tests/gpu/test_vllm_apply_paths_gpu.py runs the same
+process on a GPU) whose unquantized linear layers keep their weights as on a GPU (vLLM's own `_cpu_skip_gemm_dispatch` branch: plain `F.linear`, no oneDNN repack),
 so that the probe finds them, and the norms, loaded straight; the embedding and the head
 still repack (the CPU backend derives a oneDNN handle from them), so they take the
 layerwise reload and the check's processed copy: both branches in one engine. The engine
@@ -99,6 +99,7 @@ def _main() -> None:
     shapes = vllm_engine.model_shapes("tiny")
     path = tempfile.mkdtemp(prefix="weightpull-apply-paths-")
     vllm_engine.write_model(path, "tiny")
+    on_gpu = {"gpu_memory_utilization": 0.1} if torch.cuda.is_available() else {}  # tests/gpu runs it too
     llm = LLM(
         model=path,
         skip_tokenizer_init=True,
@@ -107,6 +108,7 @@ def _main() -> None:
         enforce_eager=True,
         kv_cache_memory_bytes=32 << 20,
         max_model_len=256,
+        **on_gpu,
     )
 
     def tokens() -> list[int]:

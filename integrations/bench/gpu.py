@@ -13,8 +13,10 @@ The model is Qwen3-8B's 399 tensor shapes in bf16 (16.4 GB), random values. Two 
    bucket from the pinned shadow to the GPU, as the pull issues them). The limit is one
    pinned host-to-device copy of as many bytes.
 
-3. the apply check: what `PullSpec(check_apply=True)` adds to a vLLM replica's pause (a
-   copy of the loaded tensors and two fingerprints), beside the apply's own device copies.
+3. the apply check: what `PullSpec(check_apply=True)` adds to a vLLM replica's pause
+   (each layer fingerprinted as loaded, then all of them at once), beside the apply's own
+   device copies; the reference check (a copy and two fingerprints); the Triton kernel's
+   rate over the set, per tensor, and under a few launch settings.
 
 Every pulled copy is checked against fingerprints the publisher made of its own tensors
 (exact on any device: `weightpull.integrations.torch_tensors.fingerprints`).
@@ -35,7 +37,7 @@ import torch
 
 from weightpull import InProcessRegistry, Manifest, Publisher, Puller, create_transport
 from weightpull.integrations.processes import owns_children
-from weightpull.integrations.torch_tensors import as_tensors, fingerprint_implementation
+from weightpull.integrations.torch_tensors import as_tensors, fingerprint_implementation, fingerprint_tensors
 from weightpull.integrations.torch_tensors import fingerprints as checksums  # exact on any device
 from weightpull.layout import Layout
 
@@ -241,13 +243,17 @@ async def bench_host_to_gpu(bucket_bytes: int, repeat: int, say: Callable[[str],
 def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]:
     """What the vLLM worker's check after an apply (`PullSpec(check_apply=True)`) adds to
     the pause, at Qwen3-8B's shapes on the GPU, beside the apply itself (one device copy
-    per tensor, from a GPU mirror): a copy of each layer's loaded tensors for the
-    first-load reference, and a fingerprint of each side. (vLLM's own processing of an
-    unquantized GPU layer copies nothing more; what it costs on a real engine is not
-    measured here: vLLM cannot run on this machine.)"""
+    per tensor, from a GPU mirror). The check as the apply runs it for layers whose
+    first-load processing is the identity (every layer of an unquantized model on a GPU):
+    each layer fingerprinted as loaded, right after its copy, then every layer's kernel
+    tensors at once, compared on the device, one transfer. Beside it the reference check
+    (what every layer had before: a copy of the loaded tensors and two fingerprints), the
+    fingerprint's rate by the set kernel and by one launch per tensor, and the set
+    kernel's rate under a few launch settings (`fingerprint_kernel`'s BLOCK, SPAN, WARPS)."""
     shapes = qwen3_8b_shapes()
     mirror = make_tensors(shapes, "cuda:0", seed=1)
     weights = {name: torch.empty_like(t) for name, t in mirror.items()}
+    names = list(mirror)
 
     def wall(fn: Callable[[], Any]) -> Callable[[], float]:
         def seconds() -> float:
@@ -259,33 +265,102 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
 
         return seconds
 
-    apply_s = timed(wall(lambda: [weights[n].copy_(t) for n, t in mirror.items()]), repeat)
-    clone_s = timed(wall(lambda: [t.clone() for t in weights.values()]), repeat)
-    fingerprint_s = timed(wall(lambda: checksums(weights)), repeat)
-    exact = checksums(weights) == checksums(mirror)
+    def apply() -> None:
+        for n in names:
+            weights[n].copy_(mirror[n])
+
+    def apply_checked() -> bool:
+        loaded = []
+        for n in names:
+            weights[n].copy_(mirror[n])
+            loaded.append(fingerprint_tensors([weights[n]]))  # the layer is whole: as loaded
+        now = fingerprint_tensors([weights[n] for n in names])
+        return not bool((now != torch.cat(loaded)).any())  # the one transfer
+
+    def reference() -> None:
+        for t in weights.values():
+            t.clone()
+        checksums(weights)
+        checksums(weights)
+
+    apply_s = statistics.median(timed(wall(apply), repeat))
+    checked_s = statistics.median(timed(wall(apply_checked), repeat))
+    reference_s = statistics.median(timed(wall(reference), repeat))
+    batch_s = statistics.median(timed(wall(lambda: fingerprint_tensors(list(weights.values()))), repeat))
+    one_s = statistics.median(timed(wall(lambda: [fingerprint_tensors([t]) for t in weights.values()]), repeat))
+    nbytes = sum(t.numel() * t.element_size() for t in mirror.values())
+    exact = apply_checked() and checksums(weights) == checksums(mirror)
+    exact = exact and fingerprint_tensors(list(weights.values())).tolist() == [
+        fingerprint_tensors([t]).item() for t in weights.values()
+    ]  # the set kernel and one launch per tensor agree
     weights[shapes[-1][0]].view(-1)[0] += 1  # one changed weight must show
     caught = checksums(weights) != checksums(mirror)
-    nbytes = sum(t.numel() * t.element_size() for t in mirror.values())
-    apply, check = statistics.median(apply_s), statistics.median(clone_s) + 2 * statistics.median(fingerprint_s)
+    check = checked_s - apply_s
     result = {
         "bytes": nbytes,
-        "apply_ms": round(apply * 1e3, 2),
-        "clone_ms": round(statistics.median(clone_s) * 1e3, 2),
-        "fingerprint_ms": round(statistics.median(fingerprint_s) * 1e3, 2),
-        "fingerprint_gbps": round(nbytes / statistics.median(fingerprint_s) / 1e9, 1),
+        "apply_ms": round(apply_s * 1e3, 2),
         "check_ms": round(check * 1e3, 2),
-        "check_over_apply": round(check / apply, 2),
+        "check_over_apply": round(check / apply_s, 2),
+        "pause_over_apply": round(checked_s / apply_s, 2),
+        "reference_check_ms": round(reference_s * 1e3, 2),
+        "reference_over_apply": round(reference_s / apply_s, 2),
+        "fingerprint_ms": round(batch_s * 1e3, 2),
+        "fingerprint_gbps": round(nbytes / batch_s / 1e9, 1),
+        "fingerprint_per_tensor_ms": round(one_s * 1e3, 2),
         "fingerprint_by": fingerprint_implementation(),  # "triton": one pass; "torch": several
+        "kernel_settings": _kernel_settings(list(weights.values()), nbytes, repeat),
         "exact": exact and caught,
     }
     say(
-        f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms "
-        f"(a clone {result['clone_ms']} ms + 2 fingerprints of {result['fingerprint_ms']} ms, "
-        f"{result['fingerprint_gbps']} GB/s, by {result['fingerprint_by']}): check/apply "
-        f"{result['check_over_apply']}x; "
+        f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms (each layer as loaded, then "
+        f"all at once): check/apply {result['check_over_apply']}x, pause/apply {result['pause_over_apply']}x; "
+        f"the reference check (a copy + 2 fingerprints) {result['reference_check_ms']} ms, "
+        f"{result['reference_over_apply']}x; fingerprints of the set {result['fingerprint_ms']} ms "
+        f"({result['fingerprint_gbps']} GB/s, by {result['fingerprint_by']}), one launch per tensor "
+        f"{result['fingerprint_per_tensor_ms']} ms; "
         f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}"
     )
+    for k in result["kernel_settings"]:
+        say(f"  set kernel BLOCK {k['block']}, SPAN {k['span']}, {k['warps']} warps: {k['gbps']} GB/s")
     return result
+
+
+def _kernel_settings(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[dict[str, Any]]:
+    """The set kernel's rate under a few launch settings (each compiles once), the values
+    checked equal to the default's; the module's settings are put back after."""
+    if fingerprint_implementation() != "triton":
+        return []
+    from weightpull.integrations import fingerprint_kernel as fk
+
+    default = (fk.BLOCK, fk.SPAN, fk.WARPS)
+    want = fingerprint_tensors(tensors)
+    out = []
+    try:
+        for block, spans, warps in ((1024, 16, 4), (2048, 16, 8), (4096, 8, 8), (4096, 16, 16), (8192, 8, 16)):
+            fk.BLOCK, fk.SPAN, fk.WARPS = block, block * spans, warps
+            fingerprint_tensors(tensors)  # compiles
+            seconds = statistics.median(timed(lambda: _synced(lambda: fingerprint_tensors(tensors)), repeat))
+            same = bool(torch.equal(fingerprint_tensors(tensors), want))
+            out.append(
+                {
+                    "block": block,
+                    "span": block * spans,
+                    "warps": warps,
+                    "gbps": round(nbytes / seconds / 1e9, 1),
+                    "same": same,
+                }
+            )
+    finally:
+        fk.BLOCK, fk.SPAN, fk.WARPS = default
+    return out
+
+
+def _synced(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 @owns_children
@@ -310,4 +385,5 @@ def ok(result: dict[str, Any]) -> bool:
         all(r["exact"] for r in result["cuda_ipc"])
         and result["host_to_gpu"]["exact"]
         and result["apply_check"]["exact"]
+        and all(k["same"] for k in result["apply_check"]["kernel_settings"])
     )

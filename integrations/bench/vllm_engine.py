@@ -15,9 +15,15 @@ reload, resume. On CUDA the engine runs as deployed: CUDA graphs and vLLM's defa
 compilation (a few capture sizes, to start sooner).
 
 Per update: how long the publish blocked the trainer, the pull's GB/s, how long the replica
-paused (the apply within it, and the check's share), and the time from the publish's start
-until the replica serves it. The first `--updates` updates run with the apply check on
-(`PullSpec(check_apply=True)`, the default), the `--unchecked` ones after with it off.
+paused (the apply within it, and the check's share, over the rest of the apply: check/apply),
+how many layers loaded straight into the kernels' tensors, which fingerprint path the check
+took, and the time from the publish's start until the replica serves it. The first
+`--updates` updates run with the apply check on (`PullSpec(check_apply=True)`, the default),
+the `--unchecked` ones after with it off. Then the apply's paths side by side on the same
+bytes (`apply.PATHS`: straight where processing is the identity, the default; every layer
+through vLLM's layerwise reload; and that with every layer checked against a processed copy,
+the check before identity layers were told apart), each reloading the version served, check
+on and off, in the paused replica: the outputs must not change.
 
 Correctness: after each checked update, the replica's greedy tokens and first-token
 logprobs on a few prompts must equal those of a fresh engine started on the same version's
@@ -67,6 +73,7 @@ class VllmBenchConfig:
     fresh: bool = True
     max_tokens: int = 8
     slots: int = 2  # the trainer's slots (two at least): at 8B each holds 16.4 GB of GPU memory
+    path_repeat: int = 3  # reloads per apply path and check setting, side by side (0: none)
 
 
 # -- the model and its versions, the same bytes in any process ---------------------------------
@@ -274,6 +281,8 @@ class _Run:
     baseline: Any = None  # the AsyncLLM that vLLM's ipc backend updates
     trainer: Any = None  # vLLM's trainer-side ipc engine, and what it pushes
     rows: list[dict[str, Any]] = attrs.Factory(list)
+    paths: dict[str, Any] = attrs.Factory(dict)  # the apply's paths, side by side
+    fresh: Any = None  # _FreshEngines
 
     async def update(self, version: int) -> dict[str, Any]:
         """Publish `version`; the replica's agent pulls and applies it; then the baseline's push."""
@@ -297,6 +306,10 @@ class _Run:
             "paused_ms": round(r.agent.stats.pause_s[-1] * 1e3, 2),
             "apply_ms": round(apply.get("load_s", 0.0) * 1e3, 2),
             "check_ms": round(apply.get("check_s", 0.0) * 1e3, 2),
+            "check_over_apply": _ratio(apply.get("check_s", 0.0), apply.get("load_s", 0.0)),
+            "direct_layers": apply.get("direct"),
+            "scratch_layers": apply.get("scratch"),
+            "fingerprint_by": apply.get("fingerprint_by"),
             "publish_to_serving_ms": round(served_s * 1e3, 2),
             "outputs": await greedy(r.llm, self.cfg.max_tokens, f"v{version}"),
         }
@@ -321,11 +334,26 @@ class _Run:
                 self.say(_line(self.rows[-1]))
             agents.cancel_scope.cancel()
 
+    async def compare_paths(self, repeat: int) -> None:
+        """The apply's paths on the version served, in the paused replica: each reloads the
+        same bytes `repeat` times, check on and off; the outputs must not change."""
+        llm = self.replica.llm
+        await llm.pause_generation(mode="abort", clear_cache=True)
+        try:
+            [by_path, *_] = await llm.collective_rpc(_apply_paths, args=(repeat,))
+        finally:
+            await llm.resume_generation()
+        outputs = await greedy(llm, self.cfg.max_tokens, "paths")
+        self.paths = {"repeat": repeat, "by_path": by_path, "outputs_unchanged": outputs == self.rows[-1]["outputs"]}
+        for line in paths_table(self.paths):
+            self.say(line)
+
     def compare_fresh(self, path: str, overrides: dict[str, Any]) -> None:
         """Fresh engines on each checked version's bytes, one after another, against the rows."""
         versions = [row["version"] for row in self.rows if row["check"]]
         self.say(f"fresh engines on v{', v'.join(map(str, versions))}, one after another")
-        fresh = _fresh_outputs(path, self.cfg, versions, overrides)
+        job = {"model": path, "preset": self.cfg.preset, "versions": versions, "max_tokens": self.cfg.max_tokens}
+        fresh = self.fresh.outputs({**job, "engine": overrides})
         for row in self.rows:
             if row["version"] not in fresh:
                 continue
@@ -342,16 +370,54 @@ class _Run:
             )
 
 
+def _apply_paths(worker: Any, repeat: int) -> dict[str, Any]:
+    """In the replica's worker (sent over `collective_rpc`): reload the version it serves,
+    from its mirror, through each of the apply's paths, check on and off; medians of
+    `repeat`. The bench's own replica: it reads the worker's mirror pair directly."""
+    import torch
+
+    from weightpull.integrations.vllm import apply
+    from weightpull.integrations.vllm.mirrors import checkpoint_weights
+
+    pulled = worker._weightpull.pair.current
+    runner, ties = worker.model_runner, worker._weightpull_ties or {}
+    out: dict[str, Any] = {}
+    for path in apply.PATHS:
+        for check in (True, False):
+            reports = []
+            for _ in range(repeat):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                reports.append(apply.load(runner, checkpoint_weights(pulled), ties=ties, check=check, path=path))
+            load_s = statistics.median(r.load_s for r in reports)
+            check_s = statistics.median(r.check_s for r in reports)
+            out[f"{path}, check {'on' if check else 'off'}"] = {
+                "apply_ms": round(load_s * 1e3, 2),
+                "check_ms": round(check_s * 1e3, 2),
+                "check_over_apply": _ratio(check_s, load_s),
+                "direct_layers": reports[0].direct,
+                "layerwise_layers": reports[0].layers,
+                "scratch_layers": reports[0].scratch,
+                "fingerprint_by": reports[0].fingerprint_by,
+            }
+    return out
+
+
+def _ratio(check_s: float, load_s: float) -> float | None:
+    """The check over the rest of the apply (the load it checks)."""
+    return round(check_s / (load_s - check_s), 2) if check_s and load_s > check_s else None
+
+
 async def run(cfg: VllmBenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
     if cfg.preset not in MODELS:
         raise ValueError(f"unknown preset {cfg.preset!r}: one of {', '.join(MODELS)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported, here and in its processes
     import torch
 
-    if cfg.baseline and torch.cuda.is_available():
-        # The ipc backend's handles name torch types, which vLLM's RPC pickles only with
-        # this set (its RL examples set it too); before vLLM reads its settings.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # The ipc backend's handles name torch types, and the paths' comparison sends a function
+    # to the replica's worker: vLLM's RPC pickles those only with this set (its RL examples
+    # set it too); before vLLM reads its settings. The engines are the bench's own.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import vllm
 
     from weightpull import InProcessRegistry, Publisher, create_transport
@@ -383,7 +449,8 @@ async def run(cfg: VllmBenchConfig, say: Callable[[str], None]) -> dict[str, Any
     say(
         f"{cfg.preset}: {len(state.shapes)} tensors, {nbytes / 1e9:.2f} GB a version (bf16), {transport_name}, on {device}"
     )
-    with tempfile.TemporaryDirectory(prefix="weightpull-vllm-bench-") as path, Children():
+    with tempfile.TemporaryDirectory(prefix="weightpull-vllm-bench-") as path, Children(), _FreshEngines(cfg) as fresh:
+        state.fresh = fresh
         write_model(path, cfg.preset)
         registry = InProcessRegistry()
         transport = create_transport(transport_name)
@@ -419,6 +486,8 @@ async def run(cfg: VllmBenchConfig, say: Callable[[str], None]) -> dict[str, Any
                         state.baseline = await start_engine(args)
                         say(f"ipc baseline engine up in {time.perf_counter() - started:.1f} s")
                     await state.updates(spec)
+                    if cfg.path_repeat:
+                        await state.compare_paths(cfg.path_repeat)
                 finally:
                     if state.baseline is not None:
                         await shutdown(state.baseline)
@@ -432,18 +501,40 @@ async def run(cfg: VllmBenchConfig, say: Callable[[str], None]) -> dict[str, Any
         if cfg.fresh:
             await anyio.to_thread.run_sync(state.compare_fresh, path, overrides)
     result["summary"] = summary(state.rows)
+    result["apply_paths"] = state.paths
     result["checks"] = checks(cfg, state.rows, baseline)
+    if state.paths:
+        result["checks"]["apply_paths_keep_outputs"] = state.paths["outputs_unchanged"]
     result["ok"] = all(result["checks"].values())
     return result
 
 
 def _line(row: dict[str, Any]) -> str:
     ipc = f", ipc push {row['ipc_update_ms']:.1f} ms" if "ipc_update_ms" in row else ""
+    ratio = f", check/apply {row['check_over_apply']}" if row.get("check_over_apply") is not None else ""
     return (
         f"v{row['version']} (check {'on' if row['check'] else 'off'}): trainer blocked {row['trainer_blocked_ms']:.1f} ms, "
         f"pull {row['pull_gbps']} GB/s, paused {row['paused_ms']:.1f} ms (apply {row['apply_ms']:.1f}, check "
-        f"{row['check_ms']:.1f}), publish to serving {row['publish_to_serving_ms']:.0f} ms{ipc}"
+        f"{row['check_ms']:.1f}{ratio}; {row['direct_layers']} layers straight, {row['scratch_layers']} checked on a "
+        f"processed copy, fingerprints by {row['fingerprint_by']}), publish to serving "
+        f"{row['publish_to_serving_ms']:.0f} ms{ipc}"
     )
+
+
+def paths_table(paths: dict[str, Any]) -> list[str]:
+    """The apply's paths side by side (medians of `repeat` reloads of the same version)."""
+    lines = [
+        f"apply paths, each reloading the version served ({paths['repeat']} times; medians):",
+        "path, check              apply ms  check ms  check/apply  straight  layerwise  processed copy  fingerprints",
+    ]
+    for name, p in paths["by_path"].items():
+        ratio = "-" if p["check_over_apply"] is None else p["check_over_apply"]
+        lines.append(
+            f"{name:<24} {p['apply_ms']:>8.1f}  {p['check_ms']:>8.1f}  {ratio:>11}  {p['direct_layers']:>8}  "
+            f"{p['layerwise_layers']:>9}  {p['scratch_layers']:>14}  {p['fingerprint_by']}"
+        )
+    lines.append(f"outputs after them {'unchanged' if paths['outputs_unchanged'] else 'CHANGED'}")
+    return lines
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -463,6 +554,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "paused_ms",
                 "apply_ms",
                 "check_ms",
+                "check_over_apply",
                 "publish_to_serving_ms",
                 "ipc_update_ms",
             )
@@ -505,6 +597,8 @@ def table(result: dict[str, Any]) -> list[str]:
             f"{r['ipc_update_ms'] if 'ipc_update_ms' in r else '-':>11}  {'-' if eq is None else 'yes' if eq else 'NO'}"
         )
     lines.append(f"baseline: {result['baseline']}")
+    if result.get("apply_paths"):
+        lines += paths_table(result["apply_paths"])
     for name, passed in result["checks"].items():
         lines.append(f"{'ok  ' if passed else 'FAIL'} {name}")
     return lines
@@ -517,21 +611,43 @@ def ok(result: dict[str, Any]) -> bool:
 # -- fresh engines, in a process of their own (vllm_fresh) -------------------------------------
 
 
-def _fresh_outputs(path: str, cfg: VllmBenchConfig, versions: list[int], overrides: dict[str, Any]) -> dict[int, Any]:
-    job = {"model": path, "preset": cfg.preset, "versions": versions, "max_tokens": cfg.max_tokens, "engine": overrides}
-    proc = subprocess.run(
-        [sys.executable, "-m", "weightpull.integrations.bench.vllm_fresh"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"the fresh engines' process failed (exit {proc.returncode}):\n{tail}")
-    return {int(k): v for k, v in json.loads(lines[-1]).items()}
+class _FreshEngines:
+    """The fresh engines' process (`vllm_fresh`), started with the run: its imports (torch,
+    vLLM: ~10 s) run while the replica starts and updates; it gets its job, and starts its
+    engines, which need the GPU's memory, only once the replica and the baseline are gone."""
+
+    def __init__(self, cfg: VllmBenchConfig) -> None:
+        self.cfg = cfg
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+
+    def __enter__(self) -> _FreshEngines:
+        if self.cfg.fresh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightpull.integrations.bench.vllm_fresh"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                text=True,
+                env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+    def outputs(self, job: dict[str, Any], timeout: float = 900) -> dict[int, Any]:
+        assert self.proc is not None
+        stdout, _ = self.proc.communicate(json.dumps(job), timeout=timeout)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        if self.proc.returncode != 0 or not lines:
+            self.stderr.seek(0)
+            tail = "\n".join(self.stderr.read().strip().splitlines()[-15:])
+            raise RuntimeError(f"the fresh engines' process failed (exit {self.proc.returncode}):\n{tail}")
+        return {int(k): v for k, v in json.loads(lines[-1]).items()}
 
 
 # -- weightpull bench vllm ---------------------------------------------------------------------
@@ -545,8 +661,11 @@ def add_parser(figures: Any) -> None:
         "Qwen3-8B's config; tiny: two small layers, for CPU machines) into its slot; a vLLM AsyncLLM with "
         "weightpull's worker extension pulls each into a mirror on its device (cuda_ipc from a GPU slot on a CUDA "
         "machine, nixl from a host slot on a CPU one) and applies it, driven by its UpdateAgent. Per update: "
-        "trainer blocked, pull GB/s, replica paused (apply, check), publish to serving; the first UPDATES with the "
-        "apply check, UNCHECKED more without. After each checked update the greedy tokens and first-token "
+        "trainer blocked, pull GB/s, replica paused (apply, check, check/apply, layers loaded straight, the "
+        "fingerprint path), publish to serving; the first UPDATES with the apply check, UNCHECKED more without. "
+        "Then the apply's paths side by side (straight where processing is the identity; vLLM's layerwise reload "
+        "for every layer; that with every layer checked on a processed copy), each reloading the version served "
+        "PATH_REPEAT times, check on and off; the outputs must not change. After each checked update the greedy tokens and first-token "
         "logprobs must equal a fresh engine's started on the same bytes. On CUDA, vLLM's own ipc backend updates a "
         "second engine from the same tensors as the baseline (docs/guides/gpu.md#vllm-on-the-h200-machine). "
         "Needs vLLM.",
@@ -557,6 +676,12 @@ def add_parser(figures: Any) -> None:
     p.add_argument("--unchecked", type=int, default=2, help="updates after those, with the check off (default: 2)")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt compared (default: 8)")
     p.add_argument("--slots", type=int, default=2, help="the trainer's slots, 2 at least (default: 2)")
+    p.add_argument(
+        "--path-repeat",
+        type=int,
+        default=3,
+        help="reloads of the version served per apply path and check setting, side by side (default: 3; 0: none)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="leave out vLLM's ipc backend")
     p.add_argument("--no-fresh", action="store_true", help="leave out the fresh engines (no output check)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON line last")
@@ -568,9 +693,10 @@ def _main(args: Any) -> int:
 
     from .util import say_to_stderr
 
-    if args.updates < 1 or args.unchecked < 0 or args.max_tokens < 1 or args.slots < 2:
+    if args.updates < 1 or args.unchecked < 0 or args.max_tokens < 1 or args.slots < 2 or args.path_repeat < 0:
         raise InvalidArgumentError(
-            "--updates and --max-tokens must be at least 1, --slots at least 2, --unchecked at least 0"
+            "--updates and --max-tokens must be at least 1, --slots at least 2, --unchecked and --path-repeat "
+            "at least 0"
         )
     try:
         import torch
@@ -590,6 +716,7 @@ def _main(args: Any) -> int:
         fresh=not args.no_fresh,
         max_tokens=args.max_tokens,
         slots=args.slots,
+        path_repeat=args.path_repeat,
     )
     try:
         result = anyio.run(run, cfg, say_to_stderr("vllm-bench"))

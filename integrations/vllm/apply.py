@@ -157,6 +157,8 @@ def load(
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # what reload_weights resets
         getattr(runner, reset, lambda: None)()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies it queued are part of the apply's time
     return ApplyReport(
         tensors=len(published.tensors),
         layers=reference.processed,
@@ -423,7 +425,8 @@ class _DirectLoads:
         from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
         self.reference = reference
-        self.owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # storage address -> (layer, name)
+        # storage address -> (layer, name, the parameter's bytes in it)
+        self.owners: dict[int, list[tuple[torch.nn.Module, str, int, int]]] = {}
         self.written: dict[tuple[int, str], int] = {}
         self.sizes: dict[tuple[int, str], int] = {}
         self.whole: set[int] = set()
@@ -431,7 +434,8 @@ class _DirectLoads:
         for layer in layers:
             for name, p in layer._parameters.items():
                 if p is not None:
-                    self.owners.setdefault(p.untyped_storage().data_ptr(), []).append((layer, name))
+                    span = (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
+                    self.owners.setdefault(p.untyped_storage().data_ptr(), []).append((layer, name, *span))
                     self.written[(id(layer), name)] = 0
                     self.sizes[(id(layer), name)] = get_tensor_load_numel(p)
 
@@ -442,7 +446,11 @@ class _DirectLoads:
         return any(self.written[(id(layer), n)] for n, p in layer._parameters.items() if p is not None)
 
     def wrote(self, dst: torch.Tensor) -> None:
-        for layer, name in self.owners.get(dst.untyped_storage().data_ptr(), ()):
+        start = dst.data_ptr()
+        end = start + dst.numel() * dst.element_size()
+        for layer, name, first, last in self.owners.get(dst.untyped_storage().data_ptr(), ()):
+            if end <= first or last <= start:
+                continue  # another parameter in the same storage
             key = (id(layer), name)
             self.written[key] = min(self.written[key] + dst.numel(), self.sizes[key])
             if id(layer) not in self.whole and self._complete(layer):

@@ -1,6 +1,7 @@
-"""The vLLM worker's apply check on the GPU, without vLLM (which cannot run on the GPU
-machine): fingerprints taken where the weights live, on model-shaped tensors, agree with
-the host's for the same bytes and catch a weight the apply left behind."""
+"""The vLLM worker's apply check on the GPU, without vLLM: fingerprints taken where the
+weights live, on model-shaped tensors, agree with the host's for the same bytes (the
+Triton kernels: one tensor at a time, and a whole set in one launch) and catch a weight the
+apply left behind."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def test_fingerprints_on_the_gpu_equal_the_hosts_and_show_a_stale_weight():
 
 def test_the_apply_check_bench_runs_and_is_exact():
     result = bench_apply_check(1, lambda line: None)
-    assert result["exact"] and result["check_ms"] > 0 and result["bytes"] > 16e9
+    assert result["exact"] and result["bytes"] > 16e9 and result["fingerprint_by"] == "triton"
+    assert result["check_over_apply"] == round(result["check_ms"] / result["apply_ms"], 2)
+    assert result["kernel_settings"] and all(k["same"] for k in result["kernel_settings"])
 
 
 def test_the_triton_kernel_is_the_one_taken_and_equals_the_hosts_on_the_same_bytes():
@@ -49,8 +52,13 @@ def test_the_triton_kernel_is_the_one_taken_and_equals_the_hosts_on_the_same_byt
         "fp16 one": torch.ones(1, device="cuda:0", dtype=torch.float16),
         "large": torch.randint(0, 256, ((1 << 31) + 24,), device="cuda:0", generator=generator, dtype=torch.uint8),
     }
-    on_gpu = fingerprints(cases)
-    assert on_gpu == fingerprints({n: t.cpu() for n, t in cases.items()})
+    cases["misaligned"] = torch.randint(0, 256, (4099,), device="cuda:0", generator=generator, dtype=torch.uint8)[3:]
+    cases["empty"] = torch.empty(0, device="cuda:0")
+    on_gpu = fingerprints(cases)  # more than FEW tensors: the set kernel (one launch per word width)
+    on_host = fingerprints({n: t.cpu() for n, t in cases.items()})
+    assert on_gpu == on_host
+    assert [fingerprints({n: t})[n] for n, t in cases.items()] == list(on_host.values())  # one at a time
+    del cases["empty"]
     for name, t in cases.items():
         raw = t.view(-1).view(torch.uint8)
         raw[raw.numel() // 2] ^= 1  # one bit, somewhere in the middle

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # vLLM 0.32.0 and torch 2.13.0 on the H200 machine (Python 3.12, torch 2.11, no package index),
-# then `weightpull bench vllm` there. How to repeat it: docs/guides/gpu.md#vllm-on-the-h200-machine.
+# then, in one device call, `weightpull bench vllm` at 8B and tiny, `weightpull bench gpu` and
+# the GPU tests there. How to repeat it: docs/guides/gpu.md#vllm-on-the-h200-machine.
 #
 #   here:  bash docs/results/scripts/h200-vllm.sh pack   # .h200/parts/p.* and .h200/SHA256SUMS
 #   there: one device call per part, back to back, each carrying that part (`carry`), running
 #              bash docs/results/scripts/h200-vllm.sh stash p.aa
 #          then one call carrying .h200/SHA256SUMS:
 #              bash docs/results/scripts/h200-vllm.sh run
+#          (JOBS picks and orders the jobs: vllm, gpu, tests, tiny; BUDGET is the seconds
+#          the whole step may take, 570 unless told: each job gets at most what is left)
 #
 # A device call carries at most 64 MiB, but what a call leaves outside the repository stays
 # while the machine is warm (30 s after a call, 30 min held at most): each part is moved to
@@ -137,7 +140,8 @@ print(f"torch {torch.__version__} (cuda {torch.version.cuda}, nccl {'.'.join(map
 EOF
 }
 
-run() {  # on the device, with every part stashed: install, verify, then the jobs
+run() {  # on the device, with every part stashed: install, verify, then the jobs, in one call
+    local t0=$SECONDS
     install
     environment
     OUT=${OUT:-/tmp/weightpull-vllm}
@@ -147,28 +151,44 @@ run() {  # on the device, with every part stashed: install, verify, then the job
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     hide_mismatched
     verify
-    for job in ${JOBS:-vllm}; do
+    for job in ${JOBS:-vllm gpu tests tiny}; do
+        # Each job's own limit, or what is left of the budget (a device call: 600 s at most).
+        local left=$((${BUDGET:-570} - (SECONDS - t0))) limit
         case $job in
-        vllm)
-            echo "=== bench: python3 -m weightpull bench vllm --preset ${PRESET:-8b} ${BENCH_ARGS:-} --json"
-            timeout "${BENCH_LIMIT:-480}" python3 -m weightpull bench vllm --preset "${PRESET:-8b}" ${BENCH_ARGS:-} \
-                --json >"$OUT/vllm-bench.json" 2>"$OUT/vllm-bench.err"
+        vllm) limit=${BENCH_LIMIT:-330} ;;
+        gpu) limit=${GPU_BENCH_LIMIT:-110} ;;
+        tests) limit=${TEST_LIMIT:-120} ;;
+        tiny) limit=${TINY_LIMIT:-150} ;;
+        *) echo "unknown job $job (vllm, gpu, tests, tiny)"; exit 2 ;;
+        esac
+        [ "$limit" -gt "$left" ] && limit=$left
+        if [ "$limit" -lt 30 ]; then echo "=== $job: not run, ${left} s left of the budget"; continue; fi
+        echo "=== $job (at most $limit s; $((SECONDS - t0)) s into the step)"
+        case $job in
+        vllm | tiny)  # the replica, the ipc baseline, the apply's paths, fresh engines
+            local preset=${PRESET:-8b}
+            [ "$job" = tiny ] && preset=tiny
+            timeout "$limit" python3 -m weightpull bench vllm --preset "$preset" ${BENCH_ARGS:-} \
+                --json >"$OUT/vllm-$preset.json" 2>"$OUT/vllm-$preset.err"
             echo "bench exit $?"
-            grep -v -E "it/s\]|s/it\]" "$OUT/vllm-bench.err" | tail -${TAIL:-40}
+            grep -v -E "it/s\]|s/it\]" "$OUT/vllm-$preset.err" | grep -E "^\[vllm-bench\]|^(ok|FAIL) |Error" |
+                tail -${TAIL:-40}
             ;;
-        gpu)  # docs/results/scripts/h200-gpu.sh's tests and bench, under torch 2.13
-            echo "=== tests: WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host pytest tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py"
-            WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider \
-                --timeout=90 tests/conformance tests/gpu tests/test_cuda_ipc.py tests/test_gpu_mirrors.py 2>&1 | tail -15
-            echo "tests exit ${PIPESTATUS[0]}"
-            echo "=== bench: python3 -m weightpull bench gpu --json"
-            timeout "${GPU_BENCH_LIMIT:-240}" python3 -m weightpull bench gpu --json >"$OUT/gpu-bench.json" 2>"$OUT/gpu-bench.err"
+        gpu)  # pulls against the copy limits; the check against the apply; the kernel's settings
+            timeout "$limit" python3 -m weightpull bench gpu --bucket-sizes 256M --repeat 3 \
+                --json >"$OUT/gpu-bench.json" 2>"$OUT/gpu-bench.err"
             echo "bench exit $?"
             tail -12 "$OUT/gpu-bench.err"
             ;;
-        *) echo "unknown job $job (vllm, gpu)"; exit 2 ;;
+        tests)
+            WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+                --timeout=90 --durations=0 tests/gpu >"$OUT/gpu-tests.txt" 2>&1
+            echo "tests exit $?"
+            grep -E "passed|failed|error" "$OUT/gpu-tests.txt" | tail -5
+            ;;
         esac
     done
+    echo "step done in $((SECONDS - t0)) s"
 }
 
 case ${1:-} in
@@ -177,5 +197,5 @@ stash) stash "$2" ;;
 install) install ;;
 verify) install && environment && verify ;;
 run) run ;;
-*) echo "usage: $0 pack | stash PART | install | verify | run   (JOBS='vllm gpu', PRESET, BENCH_ARGS)"; exit 2 ;;
+*) echo "usage: $0 pack | stash PART | install | verify | run   (JOBS='vllm gpu tests tiny', BUDGET, PRESET, BENCH_ARGS)"; exit 2 ;;
 esac
