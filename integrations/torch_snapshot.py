@@ -34,14 +34,18 @@ from weightpull.tensors import cast_target, landed_now, normalize_dtype
 from weightpull.transport import Region, Transport
 from weightpull.transports import create_transport
 
+from . import fp8 as fp8_cast
+from .fp8 import Fp8Part
 from .torch_digests import wsum64_digests
 from .torch_tensors import TorchAdapter, tensor_at, torch_dtype
 
 log = logging.getLogger(__name__)
 
 
-def spec_of(name: str, tensor: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
-    """`tensor` as published: fp32 cast to the rollout dtype."""
+def spec_of(name: str, tensor: torch.Tensor | Fp8Part, rollout_dtype: str | None) -> TensorSpec:
+    """`tensor` as published: fp32 cast to the rollout dtype; a block-fp8 part as itself."""
+    if isinstance(tensor, Fp8Part):
+        return TensorSpec(name, tensor.dtype, tensor.shape)
     return TensorSpec(name, cast_target(normalize_dtype(tensor.dtype), rollout_dtype), tuple(tensor.shape))
 
 
@@ -78,18 +82,33 @@ class Ticket:
         return None if self.future is None else self.future.result(timeout)
 
 
-class _Landed:
+class _Described:
+    """The trainer's adapter, describing each tensor as the snapshot's specs publish it:
+    the staging buffer holds them cast already (an fp8 weight's scales stay float32)."""
+
+    def __init__(self, inner: TorchAdapter, specs: dict[str, TensorSpec]) -> None:
+        self.inner, self.specs = inner, specs
+
+    def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
+        # The publish checked these tensors against `specs` already: no second TensorSpec each.
+        return self.specs.get(name) or self.inner.describe(name, value, rollout_dtype)
+
+    async def write(self, items: Sequence[tuple[torch.Tensor, Placement]], region: Region) -> None:
+        await self.inner.write(items, region)
+
+    async def fence(self) -> None:
+        await self.inner.fence()
+
+
+class _Landed(_Described):
     """The adapter of one streaming publish: the trainer's own, which also resolves
     `copied` once the last of `count` tensors' copies landed."""
 
     def __init__(
         self, inner: TorchAdapter, specs: dict[str, TensorSpec], count: int, copied: concurrent.futures.Future[None]
     ) -> None:
-        self.inner, self.specs, self.left, self.copied = inner, specs, count, copied
-
-    def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
-        # The publish checked these tensors against `specs` already: no second TensorSpec each.
-        return self.specs.get(name) or self.inner.describe(name, value, rollout_dtype)
+        super().__init__(inner, specs)
+        self.left, self.copied = count, copied
 
     async def write(self, items: Sequence[tuple[torch.Tensor, Placement]], region: Region) -> None:
         await self.inner.write(items, region)
@@ -138,19 +157,20 @@ class Staging:
         region = Region(self.layout.total_bytes, str(self.device), self.buffer)
         self.views = {p.spec.name: tensor_at(region, p) for p in self.layout.placements}
 
-    def fill(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def fill(self, tensors: Iterable[tuple[str, torch.Tensor | Fp8Part]]) -> None:
         """Copy each tensor in, casting as it goes (an iterator may make each on the way,
-        as a gather does), and return once every copy is complete on the device."""
+        as a gather does; a block-fp8 part quantizes its weight), and return once every
+        copy is complete on the device."""
         filled = set()
         with torch.no_grad():
             for name, tensor in tensors:
                 view = self.views.get(name)
-                if view is None or view.shape != tensor.shape:
+                if view is None or tuple(view.shape) != tuple(tensor.shape):
                     raise InvalidArgumentError(
                         f"{name!r} of shape {list(tensor.shape)} is not a tensor this staging holds "
                         f"({list(view.shape) if view is not None else 'no such name'})"
                     )
-                view.copy_(tensor.detach())
+                view.copy_(tensor.tensor() if isinstance(tensor, Fp8Part) else tensor.detach())
                 filled.add(name)
         if len(filled) != len(self.views):
             raise InvalidArgumentError(f"publish left out {sorted(set(self.views) - filled)}")
@@ -170,8 +190,11 @@ class SnapshotPublisher:
     `Transport`, or a driver name (made with `transport_options`). `device` holds the
     staging buffer, `slot_device` the slots (a GPU for drivers that read GPU memory
     directly, such as cuda_ipc). `specs` are the
-    tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). Other
-    options go to the `Publisher`: `digests="wsum64"` on a GPU slot is computed there,
+    tensors each publish will pass (name, dtype, shape; fp32 is cast on the way). With
+    `fp8`, each linear weight is published in block-scaled fp8 (e4m3 values and their
+    128 x 128 scales, `weightpull.integrations.fp8`), quantized on its own device in the
+    snapshot, and the rest cast to the rollout dtype, for replicas serving such a
+    checkpoint. Other options go to the `Publisher`: `digests="wsum64"` on a GPU slot is computed there,
     with torch (`torch_digests.wsum64_digests`, the `digester` passed unless given).
     Use it from one thread; `close()` when done (which closes the registry too if it
     made it, or if `close_registry`)."""
@@ -189,11 +212,26 @@ class SnapshotPublisher:
         close_registry: bool = False,
         stream: bool = False,
         sharding: Sharding | None = None,
+        fp8: bool = False,
         **publisher_options: Any,
     ) -> None:
         self.rollout_dtype = None if rollout_dtype is None else normalize_dtype(rollout_dtype, "rollout_dtype")
+        if fp8 and sharding is not None:
+            raise InvalidArgumentError(
+                "fp8 versions are published whole: a shard's rows would split the 128 x 128 blocks of its scales"
+            )
+        self.fp8 = fp8
         given = list(specs)
-        self.specs = [attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in given]
+        if fp8:
+            self.specs = fp8_cast.specs(given, self.rollout_dtype)
+            # the casts the slot copies run: a quantized weight's parts are copied as they are
+            sources = {s.name: s.dtype for s in given}
+            self._casts = {
+                (s.dtype if s.dtype == fp8_cast.FP8 else sources.get(s.name, s.dtype), s.dtype) for s in self.specs
+            }
+        else:
+            self.specs = [attrs.evolve(s, dtype=cast_target(s.dtype, self.rollout_dtype)) for s in given]
+            self._casts = {(g.dtype, s.dtype) for g, s in zip(given, self.specs, strict=True)}
         self._specs_by_name = {s.name: s for s in self.specs}
         self._checked: list[tuple[str, Any, Any]] | None = None  # the key of the tensors last found right
         self.device = torch.device(device)
@@ -235,7 +273,7 @@ class SnapshotPublisher:
         else:  # a streamed one casts into the slots: their views, and a first run of each cast, now too
             layout = self.publisher.slot_layout  # as `reserve` just planned it
             assert layout is not None
-            casts = {(torch_dtype(g.dtype), torch_dtype(s.dtype)) for g, s in zip(given, self.specs, strict=True)}
+            casts = {(torch_dtype(source), torch_dtype(target)) for source, target in self._casts}
             for slot in self.publisher.slots:
                 if slot.region is not None:
                     self._adapter.warm(slot.region, layout, casts, self.device)
@@ -266,6 +304,8 @@ class SnapshotPublisher:
         With `shard`, they are this rank's part of a sharded version."""
         started = time.perf_counter()
         self.wait()
+        if self.fp8:
+            tensors = fp8_cast.expand(tensors)
         if self.stream and shard is None:
             items = list(tensors)
             try:
@@ -274,7 +314,7 @@ class SnapshotPublisher:
                 self._portal.call(self._abort, version, repr(exc), (0, 1))
                 raise
             return self._publish_streaming(version, items, started)
-        self.publisher.adapter = self._adapter
+        self.publisher.adapter = _Described(self._adapter, self._specs_by_name)
         try:
             self.staging.fill(tensors)
         except BaseException as exc:

@@ -15,6 +15,8 @@ from weightpull.layout import Layout, Placement, TensorSpec
 from weightpull.tensors import cast_target, normalize_dtype
 from weightpull.transport import Region
 
+from .fp8 import Fp8Part
+
 
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
@@ -51,7 +53,9 @@ def as_tensors(layout: Layout, region: Region) -> dict[str, torch.Tensor]:
 
 
 class TorchAdapter:
-    """Copies torch tensors (CPU or CUDA) into a slot, casting fp32 to the rollout dtype.
+    """Copies torch tensors (CPU or CUDA) into a slot, casting fp32 to the rollout dtype,
+    and a weight's block-fp8 parts (`weightpull.integrations.fp8.expand`) as the weight's
+    e4m3 values and its scales, quantized on the weight's device at their first copy.
     Host copies run in a worker thread (torch releases the GIL); device->host copies
     are queued non-blocking and fenced by a CUDA event, on `stream` if given (a side
     stream keeps them from queueing ahead of the trainer's own kernels), else on the
@@ -96,18 +100,20 @@ class TorchAdapter:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def describe(self, name: str, value: torch.Tensor, rollout_dtype: str | None) -> TensorSpec:
+    def describe(self, name: str, value: torch.Tensor | Fp8Part, rollout_dtype: str | None) -> TensorSpec:
+        if isinstance(value, Fp8Part):  # cast to its own dtype, whatever the rollout dtype
+            return TensorSpec(name, value.dtype, value.shape)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a torch.Tensor")
         dtype = cast_target(normalize_dtype(value.dtype), rollout_dtype)
         return TensorSpec(name, dtype, tuple(value.shape))
 
-    async def write(self, items: Sequence[tuple[torch.Tensor, Placement]], region: Region) -> None:
+    async def write(self, items: Sequence[tuple[torch.Tensor | Fp8Part, Placement]], region: Region) -> None:
         on_device = region.view is None or any(t.is_cuda for t, _ in items)
 
         def copy_all() -> None:
             # Host copies: one call per bucket (the worker thread's per-call cost is the pace).
-            pairs = [(self._view(region, p), v.detach()) for v, p in items if p.spec.nbytes]
+            pairs = [(self._view(region, p), self._source(v)) for v, p in items if p.spec.nbytes]
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
@@ -119,7 +125,7 @@ class TorchAdapter:
             with torch.no_grad():
                 for value, placement in items:
                     if placement.spec.nbytes:
-                        self._view(region, placement).copy_(value, non_blocking=True)
+                        self._view(region, placement).copy_(self._source(value), non_blocking=True)
 
         if on_device:
             # Entering a stream costs ~50 us a bucket on an H200's host (more than the copies
@@ -136,6 +142,11 @@ class TorchAdapter:
             self._pending.append(event)
         else:
             await anyio.to_thread.run_sync(copy_all)
+
+    @staticmethod
+    def _source(value: torch.Tensor | Fp8Part) -> torch.Tensor:
+        """What a published tensor's bytes are copied from: itself, or its fp8 part's tensor."""
+        return value.tensor() if isinstance(value, Fp8Part) else value.detach()
 
     async def fence(self) -> None:
         pending, self._pending = self._pending, []
