@@ -444,6 +444,10 @@ def test_an_offline_llm_takes_the_same_updates_and_refuses_the_same_way(world):
     for version, taken in report["versions"].items():
         assert taken["weight_version"] == version
         assert compare(expected[taken["weights"]], taken["results"]) == []
+    # Written in place: every parameter and buffer holding data where it was (on a GPU,
+    # what CUDA graphs captured at start-up replay on; the CPU backend's packed linear
+    # weights live outside them).
+    assert report["addresses"]["tensors"] > 0 and report["addresses"]["moved"] == []
     errors = report["errors"]
     assert "no transport named 'nixel'" in errors["bad_init"]["message"]
     assert "no version of 'offline' >= 99 within 1.0 s" in errors["unknown_version"]["message"]

@@ -107,6 +107,13 @@ def trainer(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _addresses(worker: Any) -> dict[str, int]:
+    """Where each of the model's tensors lies (what a CUDA graph captured at start-up
+    replays on), read in the worker."""
+    model = worker.model_runner.get_model()
+    return {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()] if t.numel()}
+
+
 def offline(args: argparse.Namespace) -> None:
     from vllm import LLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
@@ -128,6 +135,7 @@ def offline(args: argparse.Namespace) -> None:
     )
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=OfflineClient(llm), source=ModuleSource(model))
     client = trainer.client
+    before = llm.collective_rpc(_addresses)[0]
     for weights in args.weights:
         set_version(model, base, weights)
         version = trainer.send_weights()
@@ -137,6 +145,8 @@ def offline(args: argparse.Namespace) -> None:
             "weight_version": llm.get_weight_version(),
             "results": serve(llm),
         }
+    after = llm.collective_rpc(_addresses)[0]
+    report["addresses"] = {"tensors": len(before), "moved": sorted(n for n in before if after.get(n) != before[n])}
 
     def error(name: str, call: Any, *call_args: Any) -> None:
         try:
