@@ -100,10 +100,13 @@ class HostTensorAdapter:
 
 def adapter_for(value: Any) -> TensorAdapter:
     """The adapter for a tensor of this kind: its framework's tensor-adapter plugin,
-    loaded when first asked for."""
+    loaded when first asked for. The framework is the one a value names (its `framework`
+    attribute: a wrapper's, such as an fp8 part of a torch weight), else the top-level
+    module of its type."""
     if isinstance(value, HostTensor):
         return HostTensorAdapter()
-    framework = type(value).__module__.split(".")[0]
+    named = getattr(value, "framework", None)
+    framework = named if isinstance(named, str) else type(value).__module__.split(".")[0]
     plugin = plugins.find(plugins.TENSOR_ADAPTERS, framework)
     if plugin is not None:
         adapter: TensorAdapter = plugins.load(plugin, f"the {framework} tensor adapter")()

@@ -106,6 +106,8 @@ class Fp8Part:
     """One published tensor of a quantized weight: its e4m3 values (`scale=False`) or its
     block scales (`scale=True`), as `TensorAdapter` describes and copies it."""
 
+    framework = "torch"  # the publisher copies it with the torch adapter
+
     def __init__(self, weight: Fp8Weight, *, scale: bool) -> None:
         self.weight, self.scale = weight, scale
         shape = tuple(weight.weight.shape)

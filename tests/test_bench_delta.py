@@ -35,3 +35,21 @@ def test_speed_patches_exactly_and_counts_bytes() -> None:
     n = (1 << 20) // 2
     assert got["sparse"]["delta_bytes"] == int(n * 0.02) * 4 + 4 * (n // delta.CHUNK)
     assert got["blocks"]["delta_bytes"] > got["sparse"]["delta_bytes"]  # 2% at random touches most blocks of 64
+
+
+def test_wire_publishes_both_forms_and_patches_each_version_exactly() -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    first = {"layers.0.q_proj.weight": torch.randn(256, 128, generator=g), "norm.weight": torch.ones(128)}
+    second = {n: t.clone() for n, t in first.items()}
+    second["layers.0.q_proj.weight"][0, :8] *= 0.5  # not the block's largest: its scale stays
+    second["norm.weight"][:3] = 2.0
+    said: list[str] = []
+    got = delta.wire([first, second], said.append)  # asserts every pulled copy against the form's own cast
+    bf16, fp8 = got["bf16"], got["fp8"]
+    assert said == ["bf16: 1 of 1 versions patched from their delta", "fp8: 1 of 1 versions patched from their delta"]
+    assert bf16["bytes"] == 2 * (256 * 128 + 128) and fp8["bytes"] < bf16["bytes"]
+    assert bf16["read_bytes"] == bf16["delta_bytes"] < bf16["bytes"] / 10  # the patching replica read the delta alone
+    assert bf16["classes"]["other"]["changed"] == 3 / 128 and fp8["classes"]["other"]["changed"] > 0
+    assert 0 < fp8["classes"]["linear"]["changed"] * (256 * 128 + 8) <= 8  # those e4m3 bytes at most

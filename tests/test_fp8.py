@@ -95,6 +95,10 @@ def test_expand_publishes_linear_weights_as_the_checkpoints_name_them():
     assert specs["model.layers.0.mlp.down_proj.weight_scale_inv"].dtype == "float32"
     assert specs["lm_head.weight"].dtype == "bfloat16" and specs["model.embed_tokens.weight"].dtype == "bfloat16"
     assert fp8.is_fp8(plan_layout(specs.values())) and not fp8.is_fp8(plan_layout(given))
+    from weightpull.integrations.torch_tensors import TorchAdapter
+    from weightpull.tensors import adapter_for
+
+    assert isinstance(adapter_for(published[1][1]), TorchAdapter)  # a part names its framework: torch
 
 
 def check(pulled_tensors: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import numpy as np
 
 BLOCKS = (64, 256, 1024, 4096, 65536)  # block sizes tried, in elements
@@ -148,16 +149,22 @@ QWEN3 = dict(
 
 
 def qwen3_versions(steps: int, seed: int = 0, lr: float = 1e-6) -> list[dict[str, np.ndarray]]:
-    """The bf16 versions of a small random Qwen3 trained with AdamW at `lr` on a GRPO-like
-    loss: 8 groups of 4 sequences of 16 tokens sampled from it after a 16-token prompt,
-    each rewarded by how many of its tokens are even, the group's mean as the baseline."""
+    """The bf16 versions of `qwen3_states`."""
+    return [as_bf16_words(state.items()) for state in qwen3_states(steps, seed, lr)]
+
+
+def qwen3_states(steps: int, seed: int = 0, lr: float = 1e-6) -> list[dict[str, Any]]:
+    """The fp32 weights, after each step, of a small random Qwen3 trained with AdamW at
+    `lr` on a GRPO-like loss: 8 groups of 4 sequences of 16 tokens sampled from it after a
+    16-token prompt, each rewarded by how many of its tokens are even, the group's mean as
+    the baseline."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**QWEN3)).to(torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    versions = [as_bf16_words(model.state_dict().items())]
+    versions = [{n: t.detach().clone() for n, t in model.state_dict().items()}]
     gen = torch.Generator().manual_seed(seed)
     groups, per_group, prompt_len, new = 8, 4, 16, 16
     for _ in range(steps):
@@ -176,8 +183,149 @@ def qwen3_versions(steps: int, seed: int = 0, lr: float = 1e-6) -> list[dict[str
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        versions.append(as_bf16_words(model.state_dict().items()))
+        versions.append({n: t.detach().clone() for n, t in model.state_dict().items()})
     return versions
+
+
+# -- the versions published: full, delta, fp8 and fp8 delta, each pulled and checked ------------
+
+
+def wire(states: Sequence[dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
+    """Each state published through a real `Publisher(deltas=True)` (the fake driver, in
+    this process), as bf16 and as block fp8, and pulled by a `Puller` that holds the one
+    before, so it patches each from its delta: per form, the mean bytes of a version whole,
+    of its delta, and of what the patching replica read, the seconds a publish and a
+    patched pull took, and the share of each class of tensor (linear weights, the rest)
+    whose words changed. Every pulled copy is checked against the form's own cast."""
+    return {form: anyio.run(_wire, states, form, say) for form in ("bf16", "fp8")}
+
+
+async def _wire(states: Sequence[dict[str, Any]], form: str, say: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+
+    from weightpull import InProcessRegistry, Publisher, Puller, as_tensors
+    from weightpull.drivers.fake import FakeTransport
+    from weightpull.integrations import fp8
+
+    class Counting(FakeTransport):
+        read_bytes = 0
+
+        async def read(self, remote: Any, remote_offset: int, local: Any, local_offset: int, nbytes: int) -> None:
+            self.read_bytes += nbytes
+            await super().read(remote, remote_offset, local, local_offset, nbytes)
+
+    def published(state: dict[str, Any]) -> dict[str, Any]:
+        """The form's own cast, made here apart from the publisher's: what a pull must hold."""
+        if form == "bf16":
+            return {n: t.to(torch.bfloat16) for n, t in state.items()}
+        return {n: v.tensor() if isinstance(v, fp8.Fp8Part) else v.to(torch.bfloat16) for n, v in fp8.expand(state)}
+
+    registry = InProcessRegistry()
+    publisher = Publisher(registry, FakeTransport(), digests="wsum64", deltas=True, delta_room=0.5)
+    transport = Counting()
+    puller = Puller(registry, transport)
+    rows = []
+    previous: dict[str, Any] | None = None
+    for version, state in enumerate(states, 1):
+        tensors = fp8.expand(state) if form == "fp8" else state
+        started = time.perf_counter()
+        result = await publisher.publish(version, tensors)
+        publish_s = time.perf_counter() - started
+        before = transport.read_bytes
+        pulled = await puller.pull()
+        want = published(state)
+        got = as_tensors(pulled.layout, pulled.region)
+        assert all(torch.equal(got[n].view(torch.uint8), w.contiguous().view(torch.uint8)) for n, w in want.items()), (
+            f"{form} v{version}: the pulled copy is not the version"
+        )
+        manifest = result.manifest
+        row: dict[str, Any] = {
+            "version": version,
+            "bytes": sum(b.nbytes for b in manifest.layout.buckets),
+            "delta_bytes": manifest.delta.nbytes if manifest.delta else None,
+            "read_bytes": transport.read_bytes - before,
+            "patched": pulled.base is not None,
+            "publish_s": publish_s,
+            "pull_s": pulled.seconds,
+        }
+        if previous is not None and manifest.delta is not None:
+            row["classes"] = _classes(previous, want, manifest.delta.word, fp8.quantizes)
+        rows.append(row)
+        previous = want
+    later = [r for r in rows if r["patched"]]
+    say(f"{form}: {len(later)} of {len(rows) - 1} versions patched from their delta")
+    classes: dict[str, dict[str, float]] = {}
+    for name in ("linear", "other"):
+        got_rows = [r["classes"][name] for r in later if "classes" in r]
+        if got_rows:
+            classes[name] = {k: sum(c[k] for c in got_rows) / len(got_rows) for k in got_rows[0]}
+    return {
+        "bytes": rows[0]["bytes"],
+        "delta_bytes": _avg([r["delta_bytes"] for r in later]),
+        "read_bytes": _avg([r["read_bytes"] for r in later]),
+        "whole_read_bytes": rows[0]["read_bytes"],
+        "publish_s": _avg([r["publish_s"] for r in later]),
+        "pull_s": _avg([r["pull_s"] for r in later]),
+        "whole_pull_s": rows[0]["pull_s"],
+        "classes": classes,
+        "versions": rows,
+    }
+
+
+def _classes(old: dict[str, Any], new: dict[str, Any], word: int, linear: Callable[..., bool]) -> dict[str, Any]:
+    """Per class of tensor (linear weights and their scales; the rest): its bytes, and the
+    share of its `word`-byte words that changed (what a delta sends of it, at 2 + word bytes
+    each)."""
+    out = {k: {"bytes": 0, "changed": 0, "words": 0} for k in ("linear", "other")}
+    for name, b in new.items():
+        base = name.removesuffix("_scale_inv")
+        kind = "linear" if linear(base, tuple(new[base].shape)) else "other"
+        x = b.contiguous().view(-1).view(torch_uint8()).numpy()
+        y = old[name].contiguous().view(-1).view(torch_uint8()).numpy()
+        words = x.size // word
+        changed = int((x.reshape(words, word) != y.reshape(words, word)).any(axis=1).sum())
+        out[kind]["bytes"] += x.size
+        out[kind]["changed"] += changed
+        out[kind]["words"] += words
+    return {
+        k: {
+            "bytes": v["bytes"],
+            "changed": v["changed"] / v["words"],
+            "delta_share": v["changed"] * (2 + word) / v["bytes"],
+        }
+        for k, v in out.items()
+    }
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _avg(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return sum(got) / len(got) if got else None
+
+
+# A model of Qwen3-8B's shape (36 layers, hidden 4096, MLP 12288, 32 heads of 128, 8 KV
+# heads, vocabulary 151936, untied head): the bytes of each class, to scale the measured
+# shares by.
+QWEN3_8B = {"linear": 36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288), "other": 2 * 151936 * 4096}
+
+
+def at_8b(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Bytes per version of a Qwen3-8B-shaped model, each form's measured shares applied
+    to its classes' bytes: bf16 and fp8 whole, and each one's delta."""
+    out = {}
+    for form, run in result["wire"].items():
+        width = {"linear": 1 if form == "fp8" else 2, "other": 2}
+        whole = sum(n * width[k] for k, n in QWEN3_8B.items())
+        if form == "fp8":
+            whole += 4 * QWEN3_8B["linear"] // (128 * 128)  # the scales
+        delta = sum(n * width[k] * run["classes"][k]["delta_share"] for k, n in QWEN3_8B.items() if k in run["classes"])
+        out[form] = {"whole": whole, "delta": delta}
+    return out
 
 
 # -- the speed of the two units, side by side ---------------------------------------------------
@@ -250,8 +398,11 @@ def speed(fraction: float, block: int, nbytes: int = 128 << 20, repeat: int = 5,
 
 def measure(steps: int, say: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": steps, "blocks": list(BLOCKS), "lags": list(LAGS), "runs": {}}
-    for name, make in (("loop", loop_versions), ("qwen3", qwen3_versions)):
-        say(f"training {name} for {steps} steps")
+    say(f"training qwen3 for {steps} steps")
+    states = qwen3_states(steps)
+    for name, make in (("loop", loop_versions), ("qwen3", lambda _: [as_bf16_words(s.items()) for s in states])):
+        if name == "loop":
+            say(f"training {name} for {steps} steps")
         versions = make(steps)
         rows = {}
         for lag in LAGS:
@@ -262,6 +413,9 @@ def measure(steps: int, say: Callable[[str], None]) -> dict[str, Any]:
     fraction = out["runs"]["qwen3"]["lags"]["1"]["element_fraction"]
     say(f"timing blocks against sparse indices at {fraction:.2%} changed")
     out["speed"] = [speed(fraction, block) for block in (64, 1024)]
+    say("publishing qwen3's versions as bf16 and as fp8, with deltas, each pulled by a replica holding the last")
+    out["wire"] = wire(states, say)
+    out["qwen3_8b"] = at_8b(out)
     return out
 
 
@@ -307,6 +461,35 @@ def table(result: dict[str, Any]) -> str:
                 f"{r['patch_s'] * 1e3:.1f} ms | {s['bytes'] / r['encode_s'] / 1e9:.2f} | "
                 f"{s['bytes'] / r['patch_s'] / 1e9:.2f} |"
             )
+    lines.append("")
+    lines.append(
+        "| form | a version whole | its delta (mean) | a patching replica read | publish | patched pull | whole pull |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    bf16 = result["wire"]["bf16"]["bytes"]
+    for form, run in result["wire"].items():
+        cells = [
+            form,
+            f"{run['bytes'] / 1e6:.2f} MB ({run['bytes'] / bf16:.1%})",
+            f"{run['delta_bytes'] / 1e6:.3f} MB ({run['delta_bytes'] / bf16:.2%})" if run["delta_bytes"] else "-",
+            f"{run['read_bytes'] / 1e6:.3f} MB" if run["read_bytes"] else "-",
+            f"{run['publish_s'] * 1e3:.0f} ms" if run["publish_s"] else "-",
+            f"{run['pull_s'] * 1e3:.0f} ms" if run["pull_s"] else "-",
+            f"{run['whole_pull_s'] * 1e3:.0f} ms",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| form, class | bytes | words changed a step | delta bytes per byte |")
+    lines.append("|---|---:|---:|---:|")
+    for form, run in result["wire"].items():
+        for k, c in run["classes"].items():
+            lines.append(f"| {form}, {k} | {c['bytes'] / 1e6:.2f} MB | {c['changed']:.3%} | {c['delta_share']:.2%} |")
+    lines.append("")
+    lines.append("| Qwen3-8B-shaped | whole | delta | delta / bf16 whole |")
+    lines.append("|---|---:|---:|---:|")
+    base = result["qwen3_8b"]["bf16"]["whole"]
+    for form, b in result["qwen3_8b"].items():
+        lines.append(f"| {form} | {b['whole'] / 1e9:.2f} GB | {b['delta'] / 1e9:.3f} GB | {b['delta'] / base:.2%} |")
     return "\n".join(lines)
 
 
