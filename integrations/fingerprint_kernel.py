@@ -14,6 +14,7 @@ pass over 16 GB), each program finding its tensor in a table of addresses."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ BLOCK = 2048  # words a program loads at once (16 KiB of 8-byte words); at most 
 SPAN = BLOCK * 16  # words a program sums
 WARPS = 8
 FEW = 4  # sets of at most this many tensors take `fingerprint`, one launch each
+SET_KERNEL_FAILED: list[str] = []  # why the set kernel was given up in this process, if it was
 
 
 @triton.jit
@@ -128,14 +130,21 @@ def fingerprint_many(words: Sequence[torch.Tensor]) -> torch.Tensor:
             single.append(i)
         else:
             groups.setdefault(w.element_size(), []).append(i)
+    if SET_KERNEL_FAILED:  # the set kernel does not build here: one launch per tensor
+        single, groups = [i for i, w in enumerate(words) if w.numel()], {}
     with torch.cuda.device(device):
-        if not single and len(groups) == 1 and len(next(iter(groups.values()))) == len(words):
-            return _group(words, list(range(len(words))), next(iter(groups)), device)  # a model's, often
-        out = torch.zeros(len(words), dtype=torch.int64, device=device)
+        try:
+            if not single and len(groups) == 1 and len(next(iter(groups.values()))) == len(words):
+                return _group(words, list(range(len(words))), next(iter(groups)), device)  # a model's, often
+            out = torch.zeros(len(words), dtype=torch.int64, device=device)
+            for width, members in groups.items():
+                out[members] = _group(words, members, width, device)
+        except triton.CompilationError as exc:  # then the single kernel, said so
+            SET_KERNEL_FAILED.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            warnings.warn(f"weightpull's set fingerprint kernel failed, one launch per tensor: {exc}", stacklevel=2)
+            return fingerprint_many(words)
         for i in single:
             out[i] = fingerprint(words[i])
-        for width, members in groups.items():
-            out[members] = _group(words, members, width, device)
     return out
 
 

@@ -215,14 +215,20 @@ def fingerprint_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     words = [_words(t) for t in tensors]
     if tensors[0].is_cuda and _kernel() is not None:
-        return _kernel().fingerprint_many(words)
+        try:
+            return _kernel().fingerprint_many(words)
+        except Exception as exc:  # the kernel does not compile here: the torch path, and said so
+            _kernel_failed(exc)
     return torch.stack([_sum(w) for w in words])
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     words = _words(t)
     if t.is_cuda and words.numel() and _kernel() is not None:
-        return _kernel().fingerprint(words)  # one pass over the bytes, the same value
+        try:
+            return _kernel().fingerprint(words)  # one pass over the bytes, the same value
+        except Exception as exc:
+            _kernel_failed(exc)
     return _sum(words)
 
 
@@ -249,10 +255,15 @@ def _weights(device: torch.device, size: int) -> torch.Tensor:
     return torch.arange(size, device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
 
 
+_KERNEL_FAILED: list[str] = []  # why the Triton kernel was given up in this process, if it was
+
+
 @functools.cache
 def _kernel() -> Any:
     """The Triton kernel's module, where Triton imports (a CUDA machine); else None, and
     CUDA tensors take the torch path (exact too, in several passes)."""
+    if _KERNEL_FAILED:
+        return None
     try:
         from . import fingerprint_kernel
     except ImportError:
@@ -260,7 +271,20 @@ def _kernel() -> Any:
     return fingerprint_kernel
 
 
+def _kernel_failed(exc: Exception) -> None:
+    """A kernel that fails to build or launch here is given up for the process (the
+    torch path gives the same values), loudly: `fingerprint_implementation` names why."""
+    _KERNEL_FAILED.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+    _kernel.cache_clear()
+    warnings.warn(
+        f"weightpull's Triton fingerprint kernel failed, using torch's ops: {_KERNEL_FAILED[-1]}", stacklevel=3
+    )
+
+
 def fingerprint_implementation(device: torch.device | str = "cuda") -> str:
     """Which path fingerprints of tensors on `device` (a CUDA one unless told) take here:
-    "triton" (one pass over the bytes), or "torch" (several)."""
-    return "triton" if torch.device(device).type == "cuda" and _kernel() is not None else "torch"
+    "triton" (one pass over the bytes), or "torch" (several; with the reason where the
+    Triton kernel failed here)."""
+    if torch.device(device).type == "cuda" and _kernel() is not None:
+        return "triton"
+    return f"torch (the Triton kernel failed: {_KERNEL_FAILED[0]})" if _KERNEL_FAILED else "torch"

@@ -65,3 +65,23 @@ def test_the_triton_kernel_is_the_one_taken_and_equals_the_hosts_on_the_same_byt
         assert fingerprints({name: t})[name] != on_gpu[name], name
     if on_gpu["large"] == 0:
         pytest.fail("the large tensor's fingerprint is 0: its programs past 2**31 bytes did nothing")
+
+
+def test_a_set_kernel_that_does_not_build_falls_back_to_one_launch_per_tensor_loudly(monkeypatch):
+    import pytest
+    import triton
+
+    from weightpull.integrations import fingerprint_kernel
+    from weightpull.integrations.torch_tensors import fingerprint_tensors
+
+    tensors = [torch.randn(1000 + i, 64, device="cuda:0") for i in range(6)]
+    want = fingerprint_tensors(tensors)
+
+    def fails(*args, **kwargs):
+        raise triton.CompilationError(None, None, "not here")
+
+    monkeypatch.setattr(fingerprint_kernel, "_group", fails)
+    monkeypatch.setattr(fingerprint_kernel, "SET_KERNEL_FAILED", [])
+    with pytest.warns(UserWarning, match="one launch per tensor"):
+        assert torch.equal(fingerprint_tensors(tensors), want)
+    assert fingerprint_kernel.SET_KERNEL_FAILED and torch.equal(fingerprint_tensors(tensors), want)
