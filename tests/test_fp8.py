@@ -173,3 +173,10 @@ def test_a_replica_is_refused_a_version_of_a_form_it_does_not_serve():
         fp8.check_servable(fp8_layout, 3, {"quant_method": "fp8", "weight_block_size": [64, 64]})
     with pytest.raises(InvalidArgumentError, match="v4 was published unquantized and this replica serves a block-fp8"):
         fp8.check_servable(bf16_layout, 4, dict(fp8.CONFIG))
+
+
+def test_the_cast_bench_runs_both_forms_and_checks_their_bytes():
+    from weightpull.integrations.bench import fp8_cast
+
+    got = fp8_cast.run("tiny", 2, "cpu")  # asserts each cast's bytes, and fp8's against fp8.quantize
+    assert set(got["forms"]) == {"bf16", "fp8"} and 0.5 < got["fp8_over_bf16_bytes"] < 1
