@@ -168,14 +168,16 @@ run() {  # on the device, with every part stashed: install, verify, then the job
         vllm | tiny)  # the replica, the ipc baseline, the apply's paths, fresh engines
             local preset=${PRESET:-8b}
             [ "$job" = tiny ] && preset=tiny
-            timeout "$limit" python3 -m weightpull bench vllm --preset "$preset" ${BENCH_ARGS:-} \
+            # At the limit a Ctrl-C, so that the bench stops its engines and the fresh engines'
+            # process (nothing left holding GPU memory for the next job); SIGKILL 20 s later.
+            timeout -s INT -k 20 "$limit" python3 -m weightpull bench vllm --preset "$preset" ${BENCH_ARGS:-} \
                 --json >"$OUT/vllm-$preset.json" 2>"$OUT/vllm-$preset.err"
             echo "bench exit $?"
             grep -v -E "it/s\]|s/it\]" "$OUT/vllm-$preset.err" | grep -E "^\[vllm-bench\]|^(ok|FAIL) |Error" |
                 tail -${TAIL:-40}
             ;;
         gpu)  # pulls against the copy limits; the check against the apply; the kernel's settings
-            timeout "$limit" python3 -m weightpull bench gpu --bucket-sizes 256M --repeat 3 \
+            timeout -s INT -k 20 "$limit" python3 -m weightpull bench gpu --bucket-sizes 256M --repeat 3 \
                 --json >"$OUT/gpu-bench.json" 2>"$OUT/gpu-bench.err"
             echo "bench exit $?"
             tail -12 "$OUT/gpu-bench.err"
