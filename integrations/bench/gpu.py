@@ -321,37 +321,42 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
         f"fingerprints {'match, and a changed weight shows' if result['exact'] else 'WRONG'}"
     )
     for k in result["kernel_settings"]:
-        say(f"  set kernel BLOCK {k['block']}, SPAN {k['span']}, {k['warps']} warps: {k['gbps']} GB/s")
+        rate = f"{k['gbps']} GB/s" if k["gbps"] is not None else f"does not build here ({k['error']})"
+        say(f"  set kernel BLOCK {k['block']}, SPAN {k['span']}, {k['warps']} warps: {rate}")
     return result
 
 
 def _kernel_settings(tensors: list[torch.Tensor], nbytes: int, repeat: int) -> list[dict[str, Any]]:
     """The set kernel's rate under a few launch settings (each compiles once), the values
-    checked equal to the default's; the module's settings are put back after."""
+    checked equal to the default's; a setting that does not build here is reported as
+    such, and the module's settings (and its kernels' state) are put back after each."""
     if fingerprint_implementation() != "triton":
         return []
     from weightpull.integrations import fingerprint_kernel as fk
+    from weightpull.integrations import torch_tensors
 
     default = (fk.BLOCK, fk.SPAN, fk.WARPS)
+    failed_before = (list(fk.SET_KERNEL_FAILED), list(torch_tensors._KERNEL_FAILED))
     want = fingerprint_tensors(tensors)
     out = []
-    try:
-        for block, spans, warps in ((1024, 16, 4), (2048, 16, 8), (4096, 8, 8), (4096, 16, 16), (8192, 8, 16)):
-            fk.BLOCK, fk.SPAN, fk.WARPS = block, block * spans, warps
+    for block, spans, warps in ((1024, 16, 4), (2048, 16, 8), (4096, 8, 8), (4096, 16, 16), (8192, 8, 16)):
+        setting: dict[str, Any] = {"block": block, "span": block * spans, "warps": warps}
+        fk.BLOCK, fk.SPAN, fk.WARPS = block, block * spans, warps
+        try:
             fingerprint_tensors(tensors)  # compiles
-            seconds = statistics.median(timed(lambda: _synced(lambda: fingerprint_tensors(tensors)), repeat))
-            same = bool(torch.equal(fingerprint_tensors(tensors), want))
-            out.append(
-                {
-                    "block": block,
-                    "span": block * spans,
-                    "warps": warps,
-                    "gbps": round(nbytes / seconds / 1e9, 1),
-                    "same": same,
-                }
-            )
-    finally:
-        fk.BLOCK, fk.SPAN, fk.WARPS = default
+            failed = (fk.SET_KERNEL_FAILED, torch_tensors._KERNEL_FAILED) != failed_before
+            if failed:  # it fell back to another path: not this setting's rate
+                error = (fk.SET_KERNEL_FAILED + torch_tensors._KERNEL_FAILED)[-1]
+                setting |= {"gbps": None, "same": True, "error": error}
+            else:
+                seconds = statistics.median(timed(lambda: _synced(lambda: fingerprint_tensors(tensors)), repeat))
+                same = bool(torch.equal(fingerprint_tensors(tensors), want))
+                setting |= {"gbps": round(nbytes / seconds / 1e9, 1), "same": same}
+        finally:
+            fk.BLOCK, fk.SPAN, fk.WARPS = default
+            fk.SET_KERNEL_FAILED[:], torch_tensors._KERNEL_FAILED[:] = (list(f) for f in failed_before)
+            torch_tensors._kernel.cache_clear()
+        out.append(setting)
     return out
 
 
