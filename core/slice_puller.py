@@ -40,12 +40,12 @@ from .leasing import FlatLeaseArgs, LeaseClient, Pacer
 from .manifest import Manifest
 from .puller import _SourceFailed, check_transport, from_sources
 from .records import Progress
-from .registry import Lease, Registry, SliceRelayingRegistry, StreamingRegistry, as_streaming
+from .registry import Lease, Registry, ReservingRegistry, SliceRelayingRegistry, StreamingRegistry, as_streaming
 from .relaying import RelayServer
 from .settings import Digester, LeaseSettings, RelaySettings, digester_hint, merge, refuse
 from .slices import RankSlice, SlicePlan, SliceRead, bucket_needs, plan_slice, slice_key
 from .states import VersionState
-from .transport import Read2D, Region, Remote, Transport
+from .transport import Read2D, Region, Remote, Transport, fault_in
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ class SlicePuller:
     relay that fails mid-read (gone, stalled, bytes that do not match) is excluded and
     the whole slice is read again elsewhere, up to `MAX_SOURCE_TRIES` sources. A rank
     whose layout no relay holds reads the trainer's slots.
+
+    `prepare` registers the mirror ahead (its size is the slice's) and maps the slots
+    publishers reserved, so that the first version moves as the rest do.
 
     With `relay` (and `host`), each good pull offers the mirror, once whole, to ranks of
     the same layout (at most `relay_cap` at once), with the slice's digests when it came
@@ -244,6 +247,42 @@ class SlicePuller:
     def offered(self) -> int | None:
         """The version this mirror is offered for, as a relay; None: not offered."""
         return self.relays.offered
+
+    async def prepare(self, *, mirror: bool = True) -> int:
+        """Do now what the first pull would do first: register the mirror, whose size the
+        rank's slice sets (no manifest needed), and connect to and map each slot that
+        publishers over this transport reserved ahead (`Publisher.reserve`; a slice reads
+        from every shard's). Pulls wait for it; a slot that cannot be mapped is logged and
+        left to the first pull, which fails on it as it would have anyway.
+
+        Args:
+            mirror: Register the mirror too.
+
+        Returns:
+            The slots mapped: 0 while none is reserved (or the registry takes no
+            reservations).
+        """
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            if mirror and self.mirror is None:
+                layout = self.rank_slice.layout(bucket_bytes=self.bucket_bytes, align=self.align)
+                self.mirror = await self._allocate(layout.total_bytes)
+                self._mirror_layout, self._clean = layout.signature, True
+            if not isinstance(self.registry, ReservingRegistry):
+                return 0
+            found = [r for r in await self.registry.reservations() if r.transport == self.transport.name]
+            sources = [source for r in found for source in r.sources]
+            mapped = 0
+            for source in sources:
+                try:
+                    remote = self._remote(source, keep=len(sources))
+                    await anyio.to_thread.run_sync(self.transport.prepare, remote, self.device)
+                except WeightpullError as exc:
+                    log.warning("%s: could not map a reserved slot ahead: %s", self.holder, exc)
+                    continue
+                mapped += 1
+            return mapped
 
     async def pull(self, version: int | None = None) -> SlicePulled:
         """This rank's slice of the newest READY version (or `version`; with `stream`, a
@@ -459,6 +498,17 @@ class SlicePuller:
             )
         except WeightpullError as exc:
             log.warning("%s: could not offer v%s's slice as a relay: %s", self.holder, pulled.version, exc)
+
+    async def _allocate(self, nbytes: int) -> Region:
+        """A mirror made ahead, its pages touched (with zeros: what a read of the slots
+        leaves unwritten must be zero), so that the first pull runs as the rest."""
+
+        def allocate() -> Region:
+            region = self.transport.allocate(nbytes, self.device)
+            fault_in(region)
+            return region
+
+        return await anyio.to_thread.run_sync(allocate) if self.transport.slow_allocate else allocate()
 
     def _mirror_for(self, plan: SlicePlan, *, fresh: bool = False) -> Region:
         """This rank's mirror. Bytes no read of the slots writes (a vocab's padding rows,

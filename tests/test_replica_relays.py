@@ -49,8 +49,8 @@ def test_the_relay_options_default_to_a_plain_replica():
         ({"relay": True}, "PullSpec.relay needs PullSpec.host"),
         ({"host": "h1", "relay": True, "stream": False}, "leave PullSpec.stream unset or True"),
         ({"host": "h1", "relay_cap": 2}, "PullSpec.relay_cap caps a relay's readers"),
-        ({"host": "h1", "sharded": True}, "PullSpec.host cannot go with PullSpec.sharded=True"),
-        ({"stream": True, "sharded": True}, "PullSpec.stream cannot go with PullSpec.sharded=True"),
+        ({"host": "h1", "sharded": "yes"}, "PullSpec.sharded must be 'auto'"),
+        ({"host": "h1", "spare_mirror": None}, "PullSpec.spare_mirror must be True or False"),
     ],
 )
 def test_a_bad_relay_option_is_refused_naming_it(options, field):
@@ -58,9 +58,9 @@ def test_a_bad_relay_option_is_refused_naming_it(options, field):
         PullSpec(ADDRESS, "r0", **options)
 
 
-def test_sharded_pulls_cannot_relay():
-    with pytest.raises(InvalidArgumentError, match=r"PullSpec.host cannot go with PullSpec.sharded=True.*relays"):
-        PullSpec(ADDRESS, "tp2", host="h1", relay=True, sharded=True)
+def test_sliced_pulls_stream_and_relay_as_whole_ones_do():
+    spec = PullSpec(ADDRESS, "tp2", host="h1", relay=True, relay_cap=2, sharded=True)
+    assert relaying(attrs.asdict(spec)) == {"host": "h1", "stream": True, "relay": True, "relay_cap": 2}
 
 
 def test_the_options_reach_each_workers_pullers_as_the_puller_takes_them():
@@ -77,15 +77,15 @@ def test_the_options_reach_each_workers_pullers_as_the_puller_takes_them():
 def test_gpu_mirrors_read_from_relays_checked_by_the_torch_digester():
     """A GPU mirror checks a relay's bytes against the publisher's wsum64 digests where it
     lies: `host` goes with `mirror_device="cuda"`, and each worker's pullers of a GPU
-    mirror get the torch digester (a host mirror's are checked on the CPU; a rank's slice
-    reads the trainer's shards alone)."""
+    mirror get the torch digester, a rank's slice's too (a host mirror's are checked on
+    the CPU)."""
     from weightpull.integrations.torch_digests import wsum64_digests
     from weightpull.integrations.vllm.mirrors import MirrorPair
     from weightpull.integrations.vllm.worker import digesting
 
     assert PullSpec(ADDRESS, "r0", host="h1", relay=True, mirror_device="cuda").mirror_device == "cuda"
-    assert digesting("cuda:0", sliced=False) == {"digester": wsum64_digests}
-    assert digesting("cpu", sliced=False) == digesting("cuda:0", sliced=True) == {}
+    assert digesting("cuda:0") == {"digester": wsum64_digests}
+    assert digesting("cpu") == {}
     pair = MirrorPair(InProcessRegistry(), FakeTransport(), holder="r0", host="h1", digester=wsum64_digests)
     assert [p.digester for p in pair.pullers] == [wsum64_digests] * 2
 

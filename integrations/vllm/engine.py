@@ -27,7 +27,7 @@ from weightpull.rl.dispatcher import Prompt
 from weightpull.rl.staleness import Trajectory
 
 from .mirrors import error_from_info
-from .worker import WORKER_EXTENSION
+from .worker import WORKER_EXTENSION, pulls_slices
 
 
 def _relay_host(_: Any, __: attrs.Attribute[str | None], host: str | None) -> None:
@@ -55,6 +55,14 @@ def _publisher(_: Any, __: attrs.Attribute[str | None], publisher: str | None) -
         raise InvalidArgumentError(f"PullSpec.{exc}") from None
 
 
+def _sharded(_: Any, __: attrs.Attribute[bool | str], sharded: bool | str) -> None:
+    if not isinstance(sharded, bool) and sharded != "auto":
+        raise InvalidArgumentError(
+            f"PullSpec.sharded must be 'auto' (each worker its slice at tensor parallel > 1), True or False, "
+            f"got {sharded!r}"
+        )
+
+
 def _stream(_: Any, __: attrs.Attribute[bool | None], stream: bool | None) -> None:
     if stream is not None and not isinstance(stream, bool):
         raise InvalidArgumentError(f"PullSpec.stream must be True, False or None (as host says), got {stream!r}")
@@ -70,36 +78,45 @@ class PullSpec:
         holder: The lease holder's name (the replica's).
         transport: The driver each worker reads with.
         ttl: Seconds each lease lasts between renewals.
-        mirror_device: Where each worker keeps its two mirrors: "cpu", or "cuda" for the
+        mirror_device: Where each worker keeps its mirrors: "cpu", or "cuda" for the
             worker's own GPU (the apply is then a device copy, not a host-to-device one,
-            but the two mirrors take two copies of the model from the GPU memory vLLM
-            would give its KV cache).
+            but the mirrors take their bytes from the GPU memory vLLM would give its KV
+            cache).
         registry_options: Keyword arguments of `connect_registry` (keys, ...).
         transport_options: Keyword arguments of `create_transport`.
         faults: `weightpull.drivers.faulty.Faults` fields, to wrap the transport in.
         check_apply: After each apply, compare the tensors the kernels use with a first
             load of the same copy (docs/guides/vllm.md#the-check-after-every-apply); the
             structural checks always run.
-        sharded: Each tensor-parallel worker pulls only its slice: the elements its own
-            weight loaders read, recorded from the engine at start
-            (docs/guides/sharding.md). Else each pulls the whole.
+        sharded: Whether each tensor-parallel worker pulls only its slice: the elements
+            its own weight loaders read, recorded from the engine at start, into mirrors
+            of the slice's size (docs/guides/sharding.md). "auto": at tensor parallel > 1
+            (`sliced`); True: always; False: every worker pulls the whole version.
+        spare_mirror: Keep a second mirror per worker: the next version is pulled into it
+            while the other holds the version served, which a failed apply reloads and a
+            relay's readers keep reading. False halves the mirrors' memory: the next
+            version is pulled over the served one, so a failed apply has nothing to go
+            back to once a version was applied (an older version than the newest READY one
+            takes no new lease, so it cannot be pulled again): the replica stays paused and
+            must not serve (`ApplyError` with `restored` None; the update agent fails).
         host: This replica's host name: each pull's lease is placed by the registry's
-            policy, at the trainer's slot or at a relay (another replica's mirror), the
-            same host's first; bytes from a relay are checked bucket by bucket against the
-            publisher's digests.
-        relay: Offer each worker's mirror to other replicas while it fills and after
-            (needs `host`).
+            policy, at the trainer's slot or at a relay (another replica's mirror, or the
+            same rank's of a replica of the same layout), the same host's first; bytes
+            from a relay are checked against the publisher's digests (a slice's, against
+            the digests its layout's first relay gave).
+        relay: Offer each worker's mirror to other replicas (needs `host`): a whole
+            version's while it fills and after; a slice's once whole.
         relay_cap: The most readers a relay serves at once; None: no cap.
-        stream: Read a version bucket by bucket as its source holds it (a relay still
-            receiving it); None: when `host` is set. A relay streams.
+        stream: Read a version bucket by bucket as its source holds it (the trainer's
+            slot while it is published, a relay still receiving it); None: when `host`
+            is set. A relay streams.
         publisher: The publisher principal whose versions this replica follows (None: the
             registry's default line): another principal's versions are never pulled
             (docs/guides/registry-service.md).
 
     Raises:
         InvalidArgumentError: `relay` without `host`, `relay` with `stream=False`,
-            `relay_cap` without `relay`, `sharded` with `host`, `relay` or `stream`, or a
-            value of the wrong kind.
+            `relay_cap` without `relay`, or a value of the wrong kind.
     """
 
     registry: str
@@ -111,12 +128,21 @@ class PullSpec:
     transport_options: Mapping[str, Any] = attrs.field(factory=dict)
     faults: Mapping[str, Any] | None = None
     check_apply: bool = True
-    sharded: bool = False
+    sharded: bool | str = attrs.field(default="auto", validator=_sharded)
     host: str | None = attrs.field(default=None, validator=_relay_host)
     relay: bool = attrs.field(default=False, validator=_flag("relay"))
     relay_cap: int | None = attrs.field(default=None, validator=_relay_cap)
     stream: bool | None = attrs.field(default=None, validator=_stream)
     publisher: str | None = attrs.field(default=None, validator=_publisher)
+    spare_mirror: bool = attrs.field(default=True, validator=_flag("spare_mirror"))
+
+    def sliced(self, tensor_parallel: int) -> bool:
+        """Whether each worker of an engine of `tensor_parallel` ranks pulls only its slice.
+
+        Args:
+            tensor_parallel: The engine's tensor-parallel size.
+        """
+        return pulls_slices(self.sharded, tensor_parallel)
 
     def __attrs_post_init__(self) -> None:
         """The relay options' combinations, refused here rather than in every worker."""
@@ -128,13 +154,6 @@ class PullSpec:
             )
         if self.relay_cap is not None and not self.relay:
             raise InvalidArgumentError("PullSpec.relay_cap caps a relay's readers: it needs PullSpec.relay=True")
-        if self.sharded:
-            for name in ("host", "relay", "stream"):
-                if getattr(self, name) not in (None, False):
-                    raise InvalidArgumentError(
-                        f"PullSpec.{name} cannot go with PullSpec.sharded=True: a rank's slice is read from "
-                        "the trainer's shards alone (relays serve whole versions, and sliced pulls do not stream)"
-                    )
 
 
 class VllmEngine:
@@ -156,6 +175,7 @@ class VllmEngine:
         self.apply_timeout = apply_timeout
         self.clock = clock or MonotonicClock()
         self.last_apply: Mapping[str, Any] = {}  # the first worker's report of the last apply
+        self.spec: PullSpec | None = None  # as `start` was given it
         self._last_pull: PullReport | None = None
 
     async def _rpc(self, method: str, *args: Any) -> list[Any]:
@@ -164,14 +184,26 @@ class VllmEngine:
     async def start(self, spec: PullSpec) -> None:
         """Connect every worker to the registry and register its mirrors; raise
         `UnsupportedModelError` for a model whose updates cannot be made whole."""
+        self.spec = spec
         for status in await self._rpc("weightpull_start", attrs.asdict(spec)):
             if status.get("error"):
                 raise error_from_info(status["error"])
 
     async def prepare(self) -> None:
         """Before the first version (the update agent calls it once): every worker maps
-        the publishers' reserved slots and sizes its mirrors, in the background."""
+        the publishers' reserved slots and registers its mirrors (a slice's at its size),
+        in the background."""
         await self._rpc("weightpull_prepare")
+
+    async def memory(self, *, trim: bool = False) -> list[dict[str, Any]]:
+        """Each worker's host memory: its resident set (`rss_bytes`), its mirrors' bytes
+        (`mirror_bytes`) and count, whether they hold its slice (`sliced`), its `pid`.
+
+        Args:
+            trim: Let each worker's allocator give back freed memory first, so that the
+                resident set counts live memory (glibc's `malloc_trim`).
+        """
+        return await self._rpc("weightpull_memory", trim)
 
     async def prefetch(self, version: int) -> None:
         statuses = await self._rpc("weightpull_prefetch", version)
@@ -212,6 +244,7 @@ class VllmEngine:
                     f"the replica holds {last_good!r} again"
                     if last_good is not None
                     else "the last good version could not be restored: the replica stays paused and must not serve"
+                    + _NO_SPARE * (self.spec is not None and not self.spec.spare_mirror)
                 ),
                 version=version,
                 restored=last_good,
@@ -231,6 +264,12 @@ class VllmEngine:
 
     async def stop(self) -> None:
         await self._rpc("weightpull_stop")
+
+
+_NO_SPARE = (
+    " (with spare_mirror=False the next version is pulled over the only copy of the one served; "
+    "PullSpec(spare_mirror=True) keeps it for a failed apply to go back to)"
+)
 
 
 def _pull_report(statuses: list[Any]) -> PullReport | None:

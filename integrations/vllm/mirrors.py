@@ -1,15 +1,19 @@
-"""A replica's two mirrors, and the thread that fills them while the engine generates.
+"""A replica's mirrors, and the thread that fills them while the engine generates.
 
-The model always has a last good version to fall back on: one mirror holds the version
-the engine serves, the other (the spare) takes the next one. A new version is pulled
-into the spare only, so a failed apply can reload the serving mirror, and a torn read
-lands in the spare and goes no further.
+With a spare mirror (the default), the model always has a last good version at hand: one
+mirror holds the version the engine serves, the other (the spare) takes the next one. A
+new version is pulled into the spare only, so a failed apply can reload the serving
+mirror, and a torn read lands in the spare and goes no further. Without one
+(`PullSpec(spare_mirror=False)`: half the memory), the next version is pulled over the
+served one: a torn read still goes no further, but a failed apply has no copy of the
+served version to go back to (the registry leases a version no more once a newer one is
+READY, so it cannot be pulled again either), and the replica must not serve.
 
 A relaying replica (`relay=True`) offers each mirror to other replicas as it fills, and
 the offer stands after: the serving mirror serves readers while the spare takes the
-next version, so the pair is the relay's buffer of its own (no `spare_mirror`, which
-would give each of the two mirrors a third and a fourth). Before the spare is written,
-its older offer is withdrawn and the pull waits while leases still read it.
+next version, so the pair is the relay's buffer of its own (no `Puller(spare_mirror=)`,
+which would give each of the two mirrors a third and a fourth). Before a mirror is
+written, its older offer is withdrawn and the pull waits while leases still read it.
 
 Pulls run on an event loop of their own, in a background thread, because the engine's
 thread runs its own loop and must not wait on one: `BackgroundPulls` is the synchronous
@@ -42,8 +46,9 @@ log = logging.getLogger(__name__)
 
 
 class MirrorPair:
-    """Two pullers, each with its own registered mirror, sharing a registry and a
-    transport. `current` holds the version the engine serves; pulls go to the other."""
+    """Pullers, each with its own registered mirror, sharing a registry and a transport:
+    two (`mirrors=2`: the serving one and the spare), or one. `current` is the version
+    the engine serves; pulls go to the spare, or over it when there is none."""
 
     def __init__(
         self,
@@ -53,22 +58,28 @@ class MirrorPair:
         holder: str,
         ttl: float = 10.0,
         rank_slice: RankSlice | None = None,
+        mirrors: int = 2,
         **puller: Any,
     ) -> None:
         """With `rank_slice`, each mirror holds that tensor-parallel rank's slice alone
         (`SlicePuller`); else the whole version."""
+        if mirrors not in (1, 2):
+            raise InvalidArgumentError(f"a replica keeps one mirror or two (a spare), not {mirrors!r}")
         self.pullers: list[Any] = [
             Puller(registry, transport, holder=holder, ttl=ttl, **puller)
             if rank_slice is None
             else SlicePuller(registry, transport, rank_slice, holder=holder, ttl=ttl, **puller)
-            for _ in range(2)
+            for _ in range(mirrors)
         ]
         self.registry = registry
-        self.current: Any = None  # what the engine serves (a Pulled or SlicePulled), from the mirror it lies in
+        # What the engine serves (a Pulled or SlicePulled), from the mirror it was pulled
+        # into; without a spare, that mirror may hold another version since (`holds`).
+        self.current: Any = None
+        self.current_source = ""  # where `current` was read from ("": the trainer's slot, else the relay)
         self._spare = 0
         # Per mirror, the versions it was offered for as a relay that leases may still read
         # from it: each is forgotten only once withdrawn and read by no lease.
-        self._offered: list[set[int]] = [set(), set()]
+        self._offered: list[set[int]] = [set() for _ in self.pullers]
 
     async def pull(self, version: int) -> Any:
         """Pull `version` into the spare mirror (`TornReadError` etc. if it is unusable).
@@ -107,35 +118,47 @@ class MirrorPair:
     def offered(self) -> list[int]:
         """The versions this pair's mirrors offer, or did and are still kept for readers.
         Read from the engine's thread while pulls run on their own: copies, no writes."""
-        kept = {version for index in range(2) for version in frozenset(self._offered[index])}
+        kept = {version for offered in self._offered for version in frozenset(offered)}
         now = {v for p in self.pullers if (v := getattr(p, "offered", None)) is not None}
         return sorted(kept | now)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the mirrors registered now."""
+        return sum(p.mirror.nbytes for p in self.pullers if p.mirror is not None)
+
     async def prepare(self) -> int:
-        """Size both mirrors and map the slots publishers reserved ahead (`Puller.prepare`);
-        the slots mapped. A sliced mirror's size is its rank's, known from the first pull."""
-        return sum([await p.prepare() for p in self.pullers if isinstance(p, Puller)])
+        """Register every mirror at its size and map the slots publishers reserved ahead
+        (`Puller.prepare`, `SlicePuller.prepare`); the slots mapped. A whole mirror's size
+        comes from the reservations; a sliced one's from its rank's slice."""
+        return sum([await p.prepare() for p in self.pullers])
+
+    def holds(self, pulled: Pulled | SlicePulled) -> bool:
+        """Whether a mirror still holds `pulled`'s version whole (a pull since may have
+        overwritten it, or begun to)."""
+        return any(p.mirror is pulled.region and p.mirror_version == pulled.version for p in self.pullers)
 
     def promote(self, pulled: Pulled | SlicePulled) -> None:
-        """`pulled` now serves: its mirror stops being the spare."""
+        """`pulled` now serves: its mirror stops being the spare (where there is one)."""
         index = next((i for i, p in enumerate(self.pullers) if p.mirror is pulled.region), None)
-        if index is None or self.pullers[index].mirror_version != pulled.version:
-            raise InvalidArgumentError(f"v{pulled.version} is no longer held by either mirror")
+        if index is None or not self.holds(pulled):
+            raise InvalidArgumentError(f"v{pulled.version} is no longer held by any mirror")
         self.current = pulled
-        self._spare = 1 - index
+        self.current_source = _source(pulled, self.pullers[index])
+        self._spare = (index + 1) % len(self.pullers)
 
     async def aclose(self, keep_for: float = 0.0) -> None:
-        """Deregister both mirrors; a relay's first withdraws its offers and waits while
+        """Deregister the mirrors; a relay's first withdraws its offers and waits while
         leases read them, at most `keep_for` seconds (its readers check every bucket
         against the publisher's digests, so one cut short reads its copy elsewhere)."""
         try:
             registry = cast(RelayingRegistry, self.registry)
-            for index in range(2):  # first every offer, so that no new reader comes
+            for index, puller in enumerate(self.pullers):  # first every offer, so that no new reader comes
                 self._note_offer(index)
                 for version in sorted(self._offered[index]):
-                    await registry.withdraw(version, holder=self.pullers[index].holder)
+                    await registry.withdraw(version, holder=puller.holder)
             with anyio.move_on_after(keep_for):
-                for index in range(2):
+                for index in range(len(self.pullers)):
                     await self._keep_for_readers(index)
         except WeightpullError as exc:
             log.warning("could not withdraw a relay's offers before closing its mirrors: %s", exc)
@@ -146,6 +169,15 @@ class MirrorPair:
 def checkpoint_weights(pulled: Pulled) -> Iterator[tuple[str, torch.Tensor]]:
     """The mirror's tensors, by their checkpoint names, as zero-copy views."""
     yield from as_tensors(pulled.layout, pulled.region).items()
+
+
+def _source(pulled: Pulled | SlicePulled, puller: Any) -> str:
+    """Where `pulled`, the last pull of `puller`, was read from: "" for the trainer's slot,
+    else the relay's holder name (a slice says so itself; a whole copy's puller does)."""
+    if isinstance(pulled, SlicePulled):
+        return pulled.source
+    report = puller.last_pull()
+    return report.source if report is not None else ""
 
 
 def _log_failure(future: concurrent.futures.Future[int]) -> None:
@@ -185,17 +217,26 @@ class BackgroundPulls:
         ttl: float = 10.0,
         device: str = "cpu",
         rank_slice: RankSlice | None = None,
+        mirrors: int = 2,
         **relaying: Any,
     ) -> None:
-        """`relaying`: the `Puller`'s `host`, `stream`, `relay` and `relay_cap`, for both
-        mirrors. A relay's transport is served here (`Transport.serve`): its readers'
-        reads of a NIXL mirror need this process's progress."""
+        """`mirrors`: two (a spare) or one (`MirrorPair`). `relaying`: the `Puller`'s
+        `host`, `stream`, `relay` and `relay_cap`, for every mirror. A relay's transport
+        is served here (`Transport.serve`): its readers' reads of a NIXL mirror need this
+        process's progress."""
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
             registry, self._transport = self._portal.call(setup)
             self.pair = MirrorPair(
-                registry, self._transport, holder=holder, ttl=ttl, device=device, rank_slice=rank_slice, **relaying
+                registry,
+                self._transport,
+                holder=holder,
+                ttl=ttl,
+                device=device,
+                rank_slice=rank_slice,
+                mirrors=mirrors,
+                **relaying,
             )
         except BaseException:
             self._stack.close()
@@ -238,8 +279,7 @@ class BackgroundPulls:
                 result = future.result()
                 pulled, nbytes, seconds = result.version, result.nbytes, result.seconds
                 puller = next((p for p in self.pair.pullers if p.mirror is result.region), None)
-                report = getattr(puller, "last_pull", lambda: None)()  # a SlicePuller has none: its slot
-                source = report.source if report is not None else ""
+                source = _source(result, puller) if puller is not None else ""
         return {
             "pending": self._version if future is not None and not future.done() else None,
             "pulled": pulled,
@@ -249,6 +289,8 @@ class BackgroundPulls:
             "seconds": seconds,  # how long that pull took
             "source": source,  # where it read from ("": the version's own slot, else a relay)
             "serving_bytes": self.pair.current.nbytes if self.pair.current else None,
+            "serving_source": self.pair.current_source,  # where the served copy was read from
+            "mirror_bytes": self.pair.nbytes,  # the mirrors registered: what they hold in memory
             "offered": self.pair.offered,  # as a relay: versions offered, or kept for their readers
         }
 

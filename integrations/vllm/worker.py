@@ -6,17 +6,23 @@ each worker process and mixes the class into its worker, so the methods below be
 Everything crossing `collective_rpc` is plain data (versions, dicts, error text): when
 the engine runs in its own process, tensors would arrive as lists.
 
-- `weightpull_start(spec)`: connect to the registry, open the transport, register the
-  two mirrors (see `mirrors.py`); pulls then run on a thread of their own. With the
+- `weightpull_start(spec)`: connect to the registry, open the transport, make the
+  mirrors (two, or one without `spare_mirror`: see `mirrors.py`); pulls then run on a
+  thread of their own. At tensor parallel > 1 (or with `sharded=True`) each worker's
+  mirrors hold its slice alone, recorded from its own loaders (`slices.py`). With the
   spec's `host`, each lease is placed by the registry at the trainer's slot or another
   replica's mirror; with `relay`, the worker offers its own mirrors (`mirrors.py`).
 - `weightpull_prefetch(v)`: start pulling `v` into the spare mirror; returns at once.
-- `weightpull_status()`: how that pull stands.
+- `weightpull_status()`: how that pull stands; `weightpull_memory()`: what the worker
+  holds in host memory.
 - `weightpull_apply(v)`: load the mirror through vLLM's layerwise checkpoint-format
   reload, driven by `apply.py`, which refuses a load that leaves any weight behind and,
   with `check_apply`, compares what the kernels use with a first load of the same copy.
   If that fails, reload the last good version (its mirror, or the checkpoint the engine
-  started from) and report the failure: the model never keeps a mix.
+  started from) and report the failure: the model never keeps a mix. Without a spare
+  mirror, once a version was applied the next pull overwrites its only copy: a failed
+  apply then leaves the worker on no version (`restored` None), and the replica must
+  not serve.
 - `weightpull_commit(v)` once every worker applied `v`; else `weightpull_revert()` on all,
   so tensor-parallel workers never end on different versions.
 """
@@ -24,6 +30,7 @@ the engine runs in its own process, tensors would arrive as lists.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -77,13 +84,30 @@ def relaying(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def digesting(device: str, *, sliced: bool) -> dict[str, Any]:
-    """The `Puller`'s digest check for mirrors on `device`: on a GPU, the torch digester,
-    which checks the publisher's wsum64 digests where the mirror lies (so that it may read
-    from relays: `host`); none for a host mirror (checked on the CPU) or a rank's slice."""
-    if device == "cpu" or sliced:
+def digesting(device: str) -> dict[str, Any]:
+    """The pullers' digest check for mirrors on `device`: on a GPU, the torch digester,
+    which checks wsum64 digests where the mirror lies (a relay's bytes: `host`; a slice
+    offered as a relay is digested by it too); none for a host mirror (checked on the CPU)."""
+    if device == "cpu":
         return {}
     return {"digester": wsum64_digests}
+
+
+def _malloc_trim() -> None:
+    """Give the heap's free pages back to the system, where the C library can (glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+
+
+def pulls_slices(sharded: bool | str, tensor_parallel: int) -> bool:
+    """Whether a worker of an engine of `tensor_parallel` ranks pulls only its slice:
+    `PullSpec.sharded` "auto" does past one rank; True and False say so outright."""
+    return tensor_parallel > 1 if sharded == "auto" else bool(sharded)
 
 
 def mirror_device(wanted: str, worker_device: Any) -> str:
@@ -101,7 +125,7 @@ def mirror_device(wanted: str, worker_device: Any) -> str:
 class WeightpullWorker:
     """Mixed into each vLLM worker (it has `reload_weights`, `model_runner`, ...): name it
     as the engine's `worker_extension_cls` (`WORKER_EXTENSION`; `engine_args` does). Each
-    worker keeps two mirrors, pulls in the background and applies through vLLM's
+    worker keeps its mirrors, pulls in the background and applies through vLLM's
     `reload_weights`; `VllmEngine` calls its `weightpull_*` methods over `collective_rpc`,
     each returning plain data (an error as data too, raised typed by the engine)."""
 
@@ -135,7 +159,7 @@ class WeightpullWorker:
             self._weightpull_ties = apply.tied_parameters(model)
         self._weightpull_check = bool(spec.get("check_apply", True))
         self._weightpull_sliced = None
-        if spec.get("sharded"):
+        if pulls_slices(spec.get("sharded", "auto"), self._weightpull_tensor_parallel()):
             try:
                 self._weightpull_sliced = self._weightpull_slice()
             except Exception as exc:  # as data: the engine raises it, typed
@@ -147,9 +171,10 @@ class WeightpullWorker:
                 ttl=spec.get("ttl", 10.0),
                 device=device,
                 rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
+                mirrors=2 if spec.get("spare_mirror", True) else 1,
                 publisher=spec.get("publisher"),
                 **relaying(spec),
-                **digesting(device, sliced=self._weightpull_sliced is not None),
+                **digesting(device),
             )
         except WeightpullError as exc:  # as data: the engine raises it, typed
             self._weightpull = None
@@ -168,6 +193,24 @@ class WeightpullWorker:
 
     def weightpull_status(self) -> dict[str, Any]:
         return self._weightpull_pulls().status()
+
+    def weightpull_memory(self, trim: bool = False) -> dict[str, Any]:
+        """What this worker process holds in host memory: its resident set (the model, the
+        runtime and host mirrors alike) and its mirrors' bytes (on their device). With
+        `trim`, freed heap memory goes back to the system first (glibc's `malloc_trim`),
+        so that the resident set counts what is live, not what the allocator kept."""
+        import psutil  # a dependency of vLLM's
+
+        if trim:
+            _malloc_trim()
+        pulls = self._weightpull
+        return {
+            "pid": os.getpid(),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "mirror_bytes": 0 if pulls is None else pulls.pair.nbytes,
+            "mirrors": 0 if pulls is None else len(pulls.pair.pullers),
+            "sliced": self._weightpull_sliced is not None,
+        }
 
     def weightpull_apply(self, version: int, timeout: float | None = None) -> dict[str, Any]:
         """Load the mirrored `version` into the model; on failure, the last good one."""
@@ -230,6 +273,10 @@ class WeightpullWorker:
             return f"{holder}/rank{getattr(self, 'rank', 0)}"
         return holder
 
+    def _weightpull_tensor_parallel(self) -> int:
+        config = getattr(self, "parallel_config", None)
+        return int(getattr(config, "tensor_parallel_size", 1))
+
     def _weightpull_serving(self) -> int | str | None:
         current = self._weightpull_pulls().pair.current
         return self._weightpull_fallback if current is None else current.version
@@ -267,10 +314,19 @@ class WeightpullWorker:
 
     def _weightpull_restore(self) -> int | str | None:
         """Reload the last good version whole over a failed load (`apply.load` has
-        finished vLLM's reload, so nothing is left half wrapped). None if that fails too."""
-        current = self._weightpull_pulls().pair.current
+        finished vLLM's reload, so nothing is left half wrapped). None if no mirror holds
+        it any more (pulls restarted since, or no spare mirror) or the reload fails too."""
+        mirrors = self._weightpull_pulls().pair
+        current = mirrors.current
         if current is None and self._weightpull_fallback is None:
             log.error("no mirror holds the last good version (pulls restarted since): this replica must not serve")
+            return None
+        if current is not None and not mirrors.holds(current):
+            log.error(
+                "v%s, the last good version, was overwritten by the next pull in the one mirror (spare_mirror=False): "
+                "this replica must not serve",
+                current.version,
+            )
             return None
         try:
             self._weightpull_load(current)
