@@ -146,6 +146,29 @@ def test_fanout_through_a_relay_is_byte_exact_and_checked_against_the_publishers
     assert first[relay] <= handed[reader] and first[reader] > handed[reader], row
 
 
+def test_tensor_parallel_replicas_pull_their_slices_across_hosts_each_checked_against_the_oracle():
+    """Two ranks a replica, each a process in the replica's host pulling its slice of a
+    Qwen3-shaped model, relaying: a rank reads the trainer's slot or the same rank of
+    another replica, never another layout's, and every slice equals the oracle's (numpy on
+    the model's tensors) and its peers' at the same rank. (The bench's direct ranks differ
+    only in reading the slot alone; one run keeps this test's processes few.)"""
+    from weightpull.integrations.bench.fanout import run_fanout
+
+    result = run_fanout([1, 2], size=8 << 20, bucket=1 << 20, rate="100mbit", tp=2, relays=True, cap=1)
+    one, row = result["rows"]
+    assert result["tp"] == 2 and result["origin_cap"] == 2 and result["size_bytes"] == result["model_bytes"]
+    assert one["byte_exact"] and row["byte_exact"] and not row["mismatched"], row
+    assert len(row["rank_serve_s"]) == 4 and len(row["replica_cpu_s"]) == 2, row
+    holders = [f"replica{i}/rank{r}" for i in (1, 2) for r in (0, 1)]
+    for holder, source, hops in zip(holders, row["sources"], row["replica_hops"], strict=True):
+        assert source == "trainer" or (source != holder and source.endswith(holder[-6:])), (holder, source)
+        assert (hops == 1) == (source == "trainer"), row
+    # at least one copy of the model left the trainer through 100 Mbit/s (12.5 MB/s)
+    assert row["all_serve_s"] > 0.8 * result["model_bytes"] / 12.5e6, row
+    # a relay's slice is checked against its digests: the one replica's ranks measured what that costs
+    assert one["verify_cpu_s"] > 0 and row["procs_cpu_s"] > 0
+
+
 def test_a_sigterm_still_deletes_every_namespace(tmp_path):
     """`timeout` or a cancelled CI job sends SIGTERM: the hosts go all the same."""
     script = tmp_path / "hold.py"

@@ -29,6 +29,16 @@ the publisher's digests. The registry lets `cap` readers at once read the traine
 at a time, in order, so that each lands, and is offered, as early as it can (asked at
 once, over NIXL's tcp, they would all land together at the end).
 
+With `tp`, each replica is that many tensor-parallel ranks, each a process of its own in
+the replica's host (sharing its link), each a `SlicePuller` of its slice of a Qwen3-shaped
+model of about the size asked for (`tensor_parallel`): plain, reading the trainer's slot,
+or with relays `SlicePuller(host=, stream=True, relay=True, relay_cap=cap)`, placed by
+the registry at the trainer's slot (which takes `cap` x `tp` ranks at once: the bytes of
+`cap` whole readers) or at the same rank of another replica, which offers its slice once
+whole; its readers check the slice's digests (of the kind `digest` names). A replica
+serves once its last rank holds its slice. Each slice is then checked against an oracle
+(numpy indexing of the model's tensors, made again from their seed in each rank).
+
 Each process is this module run with `python -m` inside its namespace, spoken to by JSON
 lines on its stdin and stdout.
 """
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -52,6 +63,7 @@ from weightpull.digests import KINDS
 from weightpull.errors import InvalidArgumentError
 from weightpull.integrations.processes import Children
 
+from . import tensor_parallel
 from .hosts import ENV, Hosts
 
 MiB = 1 << 20
@@ -70,6 +82,13 @@ DEFAULT_DIGEST = "wsum64"
 # link offers once its first bucket landed, ~0.15 s after it was placed).
 ASK_AGAIN_S = 0.005
 _LEASE_TTL_S = 60.0  # every reader shares one link: a pull of 8 direct takes ~18 s
+# A rank's reads land a batch (up to 64 MiB) at a time, all its batches asked at once: with
+# every rank on one shared link, and UCX's tcp moving each row of a 2-D read on the owner's
+# progress, none may land for longer than the default 30 s on this shared machine.
+_SLICE_STALL_S = 120.0
+SEED = 33  # the model's tensors with `tp` (tp.tensors): every rank makes them again to check its slice
+MAX_TP = 4  # ranks per replica: each a process, all sharing this machine's cores
+MAX_PULLERS = 32  # replicas x ranks: the processes the bench starts at most
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -93,13 +112,25 @@ def _connect(cfg: dict[str, Any]) -> Any:
 
 
 async def _trainer(cfg: dict[str, Any]) -> None:
+    from weightpull.layout import TensorSpec
     from weightpull.publisher import Publisher
+    from weightpull.tensors import HostTensor
     from weightpull.transports import create_transport
 
     from .pull import BenchConfig, _tensors, content, digest
 
-    data = content(cfg["size"])
-    tensors = _tensors(BenchConfig(transport="nixl", size=cfg["size"], bucket_bytes=cfg["bucket"]), data)
+    if cfg.get("shapes"):  # a model's tensors, which tensor-parallel ranks slice
+        specs = [TensorSpec(name, "bfloat16", shape) for name, shape in cfg["shapes"]]
+        tensors: dict[str, Any] = {
+            name: HostTensor("bfloat16", t.shape, t.data)
+            for name, t in tensor_parallel.tensors(cfg["shapes"], SEED).items()
+        }
+        reserve: Any = specs
+        want = None  # each rank checks its slice against the oracle
+    else:
+        data = content(cfg["size"])
+        tensors = _tensors(BenchConfig(transport="nixl", size=cfg["size"], bucket_bytes=cfg["bucket"]), data)
+        reserve, want = cfg["size"], digest(data)
     async with _connect(cfg) as registry:
         publisher = Publisher(
             registry,
@@ -110,8 +141,8 @@ async def _trainer(cfg: dict[str, Any]) -> None:
             stream=True,
             digests=cfg["digest"],  # what readers from relays check (and every puller, as it does)
         )
-        await publisher.reserve(cfg["size"])  # slots made ahead: replicas map them (Puller.prepare)
-        _say(ready=True, digest=digest(data))
+        await publisher.reserve(reserve)  # slots made ahead: replicas map them (Puller.prepare)
+        _say(ready=True, digest=want)
         async with anyio.create_task_group() as tg:
             tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
             while message := await _line():  # until told to stop (or stdin closes)
@@ -166,32 +197,95 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-async def _replica(cfg: dict[str, Any]) -> None:
-    from weightpull.errors import NoSourceError
+def _whole_puller(cfg: dict[str, Any], registry: Any, transport: Any) -> Any:
+    """A replica's `Puller`: plain, or relaying (see the module's docstring)."""
     from weightpull.puller import Puller
+
+    if not cfg["relays"]:
+        return Puller(registry, transport, holder=cfg["name"], ttl=_LEASE_TTL_S)
+    return Puller(
+        registry,
+        transport,
+        holder=cfg["name"],
+        ttl=_LEASE_TTL_S,
+        host=cfg["host"],
+        stream=True,
+        relay=True,
+        relay_cap=cfg["cap"],
+    )
+
+
+def _slice_puller(cfg: dict[str, Any], registry: Any, transport: Any) -> Any:
+    """A tensor-parallel rank's `SlicePuller` of its slice (`tensor_parallel.tp_slice`): plain, or
+    relaying its slice to the same rank of other replicas, which check it against the
+    slice's digests (of the kind `--digest` names)."""
+    from weightpull.settings import LeaseSettings, RelaySettings
+    from weightpull.slice_puller import SlicePuller
+
+    rank_slice = tensor_parallel.tp_slice(cfg["shapes"], cfg["rank"], cfg["tp"])
+    lease = LeaseSettings(ttl=_LEASE_TTL_S, stall_timeout=_SLICE_STALL_S)
+    if not cfg["relays"]:
+        return SlicePuller(registry, transport, rank_slice, holder=cfg["name"], lease=lease)
+    return SlicePuller(
+        registry,
+        transport,
+        rank_slice,
+        holder=cfg["name"],
+        lease=lease,
+        relaying=RelaySettings(host=cfg["host"], relay=True, relay_cap=cfg["cap"]),
+        stream=True,
+        digester=None if cfg["digest"] == "blake2b128" else host_wsum64,
+    )
+
+
+def host_wsum64(region: Any, spans: Sequence[tuple[int, int]]) -> list[str]:
+    """wsum64 digests of a host region's spans: the kind a slice's relay gives and its
+    readers check with `--digest wsum64` (BLAKE2b-128 otherwise, the slice's default)."""
+    from weightpull.digests import WSUM64, digest
+
+    view = region.host_view()
+    return [digest(view[off : off + n], WSUM64) for off, n in spans]
+
+
+def check_slice(pulled: Any, rank_slice: Any, shapes: Any) -> dict[str, Any]:
+    """A rank's slice against the oracle (`tensor_parallel.expected` of the trainer's tensors, made
+    again from their seed): the parameters that differ, and a digest of the whole mirror
+    (equal at the same rank of every replica, padding included)."""
+    from .pull import digest
+
+    whole = tensor_parallel.tensors(shapes, SEED)
+    layout = pulled.plan.mirror
+    bad = [p.name for p in rank_slice.params if pulled.view(p.name) != tensor_parallel.expected(whole, p).tobytes()]
+    return {"bad": bad, "digest": digest(pulled.region.host_view()[: layout.total_bytes])}
+
+
+def slice_check_cpu(pulled: Any, digest_kind: str) -> float:
+    """CPU seconds to digest a rank's mirror bucket by bucket, as a slice's first relay does
+    before it offers it and each of its readers does before keeping its copy (measured off
+    the clock, to calibrate the model)."""
+    from weightpull.digests import digest
+
+    view, start = pulled.region.host_view(), time.process_time()
+    for b in pulled.plan.mirror.buckets:
+        digest(view[b.offset : b.offset + b.nbytes], digest_kind)
+    return time.process_time() - start
+
+
+async def _replica(cfg: dict[str, Any]) -> None:
+    """A whole replica (a `Puller`), or with `tp` one tensor-parallel rank of one (a
+    `SlicePuller`), in its host's namespace."""
+    from weightpull.errors import NoSourceError
     from weightpull.transports import create_transport
 
     from .pull import digest
 
     # Every reader shares one link here: a read outlasting the driver's 10 s warning is expected.
     logging.getLogger("weightpull.drivers.nixl").setLevel(logging.ERROR)
-    relay = bool(cfg["relays"])
+    relay, sliced = bool(cfg["relays"]), bool(cfg.get("tp"))
     transport = create_transport("nixl", progress_interval=cfg["progress_s"])
     transport.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
     async with _connect(cfg) as registry:
-        if relay:
-            puller = Puller(
-                registry,
-                transport,
-                holder=cfg["name"],
-                ttl=_LEASE_TTL_S,
-                host=cfg["host"],
-                stream=True,
-                relay=True,
-                relay_cap=cfg["cap"],
-            )
-        else:
-            puller = Puller(registry, transport, holder=cfg["name"], ttl=_LEASE_TTL_S)
+        puller = (_slice_puller if sliced else _whole_puller)(cfg, registry, transport)
         await puller.prepare()  # its mirror made and touched, the trainer's slots mapped: not on the clock
         placed: list[tuple[float, str]] = []  # when each lease was granted, and at which source
         acquire = registry.acquire
@@ -202,7 +296,7 @@ async def _replica(cfg: dict[str, Any]) -> None:
             return lease
 
         setattr(registry, "acquire", placing)  # noqa: B010  (observed only)
-        offered: list[float] = []  # when a relay offered its mirror: its first bucket had landed
+        offered: list[float] = []  # when a relay offered its mirror: its first bucket had landed (a slice: all)
         offer = registry.offer
 
         async def offering(*args: Any, **kwargs: Any) -> Any:
@@ -224,6 +318,9 @@ async def _replica(cfg: dict[str, Any]) -> None:
                 except NoSourceError:  # every source is full: ask again soon
                     refused += 1
                     await anyio.sleep(ASK_AGAIN_S)
+                except Exception as exc:  # the bench stops at once, naming it (this process then serves on)
+                    _say(error=f"{type(exc).__name__}: {exc}")
+                    return
             end = time.time()
             handed, source = placed[-1]
             first = offered[0] if offered else None  # a relay's: its first offer
@@ -241,9 +338,14 @@ async def _replica(cfg: dict[str, Any]) -> None:
             while message := await _line():
                 if message.get("cpu"):  # the run is over: this process's CPU since go, then the checks
                     said: dict[str, Any] = {"cpu": time.process_time() - cpu0}
-                    if message.get("verify"):
-                        said["verify_cpu_s"] = verify_cpu(pulled.region, pulled.manifest)
-                    said["digest"] = digest(pulled.region.host_view()[: pulled.nbytes])
+                    if sliced:
+                        if message.get("verify") and relay:  # a slice from the slots is checked by no digest
+                            said["verify_cpu_s"] = slice_check_cpu(pulled, cfg["digest"])
+                        said.update(check_slice(pulled, puller.rank_slice, cfg["shapes"]))
+                    else:
+                        if message.get("verify"):
+                            said["verify_cpu_s"] = verify_cpu(pulled.region, pulled.manifest)
+                        said["digest"] = digest(pulled.region.host_view()[: pulled.nbytes])
                     _say(**said)
                 if message.get("stop"):
                     break
@@ -384,20 +486,20 @@ class _Registry:
 
 @attrs.frozen
 class _Ran:
-    ends: list[dict[str, Any]]  # each replica's "end": its pull's start, end, CPU and source
-    digests: list[str]  # each replica's copy, taken once all ended
+    ends: list[dict[str, Any]]  # each puller's "end" (a replica's, or a rank's): its pull's start, end, CPU, source
+    checks: list[dict[str, Any]]  # each one's copy checked once all ended: its digest (a rank: its bad parameters)
     go: float
-    hops: list[int]  # each replica's: 1 for the trainer's slot, one more than its relay's
-    trainer_cpu_s: float  # from go until the last replica's end
+    hops: list[int]  # each one's: 1 for the trainer's slot, one more than its relay's
+    trainer_cpu_s: float  # from go until the last one's end
     replica_cpu_s: list[float]  # each, from its go until the last end
     registry_cpu_s: float  # the registry server's, over the same time
-    verify_cpu_s: float | None  # the first replica's check of its copy, off the clock
+    verify_cpu_s: float | None  # the first replica's check of its copy (all its ranks'), off the clock
     busy_cpu_s: float  # the machine's (every process's, not only the bench's)
     wall_s: float
 
 
 def _hops(sources: dict[int, str], names: list[str]) -> list[int]:
-    """Each replica's hops from the trainer's slot, from the source each read ("": the slot)."""
+    """Each puller's hops from the trainer's slot, from the source each read ("": the slot)."""
     index = {name: i for i, name in enumerate(names)}
     hops: dict[int, int] = {}
 
@@ -413,11 +515,11 @@ def _hops(sources: dict[int, str], names: list[str]) -> list[int]:
 
 
 def _one_run(
-    procs: list[_Proc], names: list[str], trainer: _Proc, registry: _Registry, timeout: float, *, verify: bool = False
+    procs: list[_Proc], names: list[str], trainer: _Proc, registry: _Registry, timeout: float, *, verify: int = 0
 ) -> _Ran:
-    """Tell every replica to go, and wait until each pulled the version; around it, the
-    CPU seconds each process, the registry and the machine spent. `verify`: the first
-    replica also measures its digest check."""
+    """Tell every puller (a replica, or a rank) to go, and wait until each pulled the
+    version; around it, the CPU seconds each process, the registry and the machine spent.
+    `verify`: the first so many pullers (the first replica's) also measure their check."""
     import selectors
 
     for p in procs:
@@ -437,12 +539,14 @@ def _one_run(
         while len(ends) < len(procs):
             events = sel.select(max(0.0, deadline - time.monotonic()))
             if not events:
-                raise RuntimeError(f"{len(procs) - len(ends)} replicas did not finish in {timeout:.0f} s")
+                raise RuntimeError(f"{len(procs) - len(ends)} pullers did not finish in {timeout:.0f} s")
             for key, _ in events:
                 i = key.data
                 procs[i].take()
                 while procs[i].lines:
                     message = procs[i].lines.pop(0)
+                    if "error" in message:
+                        raise RuntimeError(f"{procs[i].what}'s pull failed: {message['error']}")
                     if "end" not in message:
                         raise RuntimeError(f"{procs[i].what} said {message!r}, not 'end'")
                     ends[i] = message
@@ -452,19 +556,20 @@ def _one_run(
     trainer.send(cpu=True)
     trainer_cpu = trainer.expect("cpu")["cpu"] - trainer_cpu
     for i, p in enumerate(procs):
-        p.send(cpu=True, verify=verify and i == 0)
+        p.send(cpu=True, verify=i < verify)
     cpus = [p.expect("cpu") for p in procs]
+    checked = [c["verify_cpu_s"] for c in cpus if "verify_cpu_s" in c]
     for p in procs:
         p.send(stop=True)
     return _Ran(
         ends=[ends[i] for i in range(len(procs))],
-        digests=[c["digest"] for c in cpus],
+        checks=cpus,
         go=go,
         hops=_hops({i: e["source"] for i, e in ends.items()}, names),
         trainer_cpu_s=trainer_cpu,
         replica_cpu_s=[c["cpu"] for c in cpus],
         registry_cpu_s=registry_cpu,
-        verify_cpu_s=cpus[0].get("verify_cpu_s"),
+        verify_cpu_s=sum(checked) if checked else None,
         busy_cpu_s=busy_end - busy,
         wall_s=wall,
     )
@@ -480,6 +585,7 @@ def run_fanout(
     cap: int | None = None,
     progress_s: float = DEFAULT_PROGRESS_S,
     digest: str = DEFAULT_DIGEST,
+    tp: int | None = None,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """For each N in `replicas`: the time until N replicas, told to go at once, all hold a
@@ -489,15 +595,35 @@ def run_fanout(
     among them forwarding buckets as they land and their readers checking the publisher's
     digests. `cap`: live readers per source (None: no cap). `progress_s`: how often the
     trainer and each relay poll NIXL for their readers' progress. `digest`: the kind the
-    publisher records (`weightpull.digests`), in both modes: every puller checks it."""
+    publisher records (`weightpull.digests`), in both modes: every puller checks it.
+
+    With `tp`, the version is a Qwen3-shaped model of about `size` bytes (`tensor_parallel.scaled`) and
+    each replica is `tp` tensor-parallel ranks, each a process of its own in the replica's
+    host (sharing its link), each a `SlicePuller` of its slice (`tensor_parallel.tp_slice`): plain, or
+    with `relays` placed by the registry at the trainer's slot or the same rank of another
+    replica, which offers its slice once whole (`host=, stream=True, relay=True,
+    relay_cap=cap`), its readers checking the slice's digests (of the kind `digest`
+    names); the trainer's slot then takes `cap * tp` readers at once, as many bytes as
+    `cap` whole readers. Each rank's slice is checked against an oracle of the model's
+    tensors (`tensor_parallel.expected`), and the same rank of every replica must hold the same bytes."""
     if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
         raise InvalidArgumentError(f"replicas must be positive ints, got {list(replicas)!r}")
     if size <= 0 or bucket <= 0:
         raise InvalidArgumentError("size and bucket must be positive")
     if digest not in KINDS:
         raise InvalidArgumentError(f"digest must be one of {', '.join(KINDS)}, got {digest!r}")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP):
+        raise InvalidArgumentError(f"tp must be an int in [1, {MAX_TP}] (ranks per replica), got {tp!r}")
     most = max(replicas)
+    ranks = tp or 1
     names = [f"replica{i + 1}" for i in range(most)]
+    # each puller: its replica's index and the name it holds leases under (a rank's below its replica's)
+    pullers = [(i, names[i] if tp is None else f"{names[i]}/rank{r}") for i in range(most) for r in range(ranks)]
+    shapes = tensor_parallel.scaled(size) if tp is not None else None
+    model: dict[str, Any] = {}
+    if shapes is not None:
+        nbytes = sum(2 * math.prod(s) for _, s in shapes)
+        model = {"tp": tp, "model_bytes": nbytes, "hidden": shapes[0][1][1], "layers": tensor_parallel.LAYERS}
     rows = []
     # Left in this order: every process in the hosts stopped (also on SIGINT or SIGTERM),
     # then the hosts deleted.
@@ -509,18 +635,21 @@ def run_fanout(
         say(
             f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0, "
             "the registry on the control network"
+            + (f"; {tp} tensor-parallel ranks per replica" if tp is not None else "")
         )
-        # with relays the trainer's slot takes `cap` readers at once, as every relay does
-        registry = _Registry(children, hosts, Path(work), names, origin_cap=cap if relays else None)
+        # with relays the trainer's slot takes `cap` whole readers at once (cap * tp ranks), as every relay does
+        origin_cap = cap * ranks if relays and cap is not None else None
+        registry = _Registry(children, hosts, Path(work), names, origin_cap=origin_cap)
         procs: list[_Proc] = []
         trainer: _Proc | None = None
         try:
-            config = {"size": size, "bucket": bucket, "digest": digest, "progress_s": progress_s}
+            config = {"size": size, "bucket": bucket, "digest": digest, "progress_s": progress_s, "shapes": shapes}
             trainer = _Proc(children, hosts, 0, "trainer", {**config, **registry.client("trainer")})
             want = trainer.expect("ready")["digest"]
             for step, n in enumerate(replicas, 1):
                 trainer.send(publish=step)  # a version per step: the last step's relays offer theirs
                 trainer.expect("published")
+                mine = pullers[: n * ranks]
                 procs = [
                     _Proc(
                         children,
@@ -528,56 +657,31 @@ def run_fanout(
                         1 + i,
                         "replica",
                         {
+                            **config,
                             "relays": relays,
                             "cap": cap,
-                            "progress_s": progress_s,
-                            "name": names[i],
+                            "name": holder,
                             "host": f"host-{1 + i}",
+                            "tp": tp,
+                            "rank": k % ranks,
                             **registry.client(names[i]),
                         },
                     )
-                    for i in range(n)
+                    for k, (i, holder) in enumerate(mine)
                 ]
                 load = loadavg()
-                ran = _one_run(procs, names[:n], trainer, registry, timeout=600, verify=n == 1)
+                ran = _one_run(
+                    procs, [h for _, h in mine], trainer, registry, timeout=600, verify=ranks if n == 1 else 0
+                )
                 for p in procs:
                     p.stop()
                 procs = []
-                ends = [d["end"] - ran.go for d in ran.ends]
-                procs_cpu = ran.trainer_cpu_s + sum(ran.replica_cpu_s) + ran.registry_cpu_s
-                row = {
-                    "replicas": n,
-                    "all_serve_s": round(max(ends), 3),
-                    "first_s": round(min(ends), 3),
-                    "hops": max(ran.hops),
-                    "byte_exact": all(d == want for d in ran.digests),
-                    # CPU seconds from go until the last replica's end: each process's own
-                    # (user+sys, every thread), the registry's, and the machine's busy time
-                    # over all its cores
-                    "trainer_cpu_s": round(ran.trainer_cpu_s, 3),
-                    "replica_cpu_s": [round(c, 3) for c in ran.replica_cpu_s],
-                    "registry_cpu_s": round(ran.registry_cpu_s, 3),
-                    "pull_cpu_s": [round(d["cpu_s"], 3) for d in ran.ends],
-                    "procs_cpu_s": round(procs_cpu, 3),
-                    "busy_cpu_s": round(ran.busy_cpu_s, 3),
-                    "wall_s": round(ran.wall_s, 3),
-                    # since go: when each replica's lease was granted (placed at a source),
-                    # and (relays) when its first bucket landed; each one's hops and source
-                    "handed_s": [round(d["handed"] - ran.go, 3) for d in ran.ends],
-                    "first_bucket_s": [None if d["first"] is None else round(d["first"] - ran.go, 3) for d in ran.ends],
-                    "replica_hops": ran.hops,
-                    "sources": [d["source"] or "trainer" for d in ran.ends],
-                    "refused": [d["refused"] for d in ran.ends],  # acquires refused (every source full)
-                    "cpus": os.cpu_count(),
-                    "loadavg": load,  # before the run: the machine is shared
-                }
-                if ran.verify_cpu_s is not None:
-                    row["verify_cpu_s"] = round(ran.verify_cpu_s, 3)
-                rows.append(row)
+                rows.append(_row(n, ranks, ran, want, load))
+                row = rows[-1]
                 say(
                     f"{n} replicas{' with relays' if relays else ''}: all serve after {row['all_serve_s']:.2f} s "
                     f"(first {row['first_s']:.2f} s, {row['hops']} hops); CPU: the bench's processes "
-                    f"{procs_cpu:.2f} s (the registry {ran.registry_cpu_s:.2f}), the machine "
+                    f"{row['procs_cpu_s']:.2f} s (the registry {ran.registry_cpu_s:.2f}), the machine "
                     f"{ran.busy_cpu_s:.2f} s of {os.cpu_count()} cores x {ran.wall_s:.2f} s (load before: {load})"
                 )
         finally:
@@ -590,17 +694,67 @@ def run_fanout(
     for row in rows:
         row["vs_one"] = round(row["all_serve_s"] / one, 2)
     return {
-        "size_bytes": size,
+        "size_bytes": model.get("model_bytes", size),
         "bucket_bytes": bucket,
         "rate": rate,
         "relays": relays,
         "cap": cap,
+        "origin_cap": origin_cap,
         "progress_s": progress_s,
         "digest": digest,
         "ask_again_s": ASK_AGAIN_S if relays else None,
         "cpus": os.cpu_count(),
+        **model,
         "rows": rows,
     }
+
+
+def _row(n: int, ranks: int, ran: _Ran, want: str | None, load: str) -> dict[str, Any]:
+    """One step's figures: per replica (a replica's time is its last rank's end, its CPU
+    its ranks' sum) and, where a replica has ranks, per puller."""
+    ends = [d["end"] - ran.go for d in ran.ends]
+    per_replica = [max(ends[i * ranks : (i + 1) * ranks]) for i in range(n)]
+    cpu = [sum(ran.replica_cpu_s[i * ranks : (i + 1) * ranks]) for i in range(n)]
+    pull_cpu = [sum(d["cpu_s"] for d in ran.ends[i * ranks : (i + 1) * ranks]) for i in range(n)]
+    if want is not None:  # whole copies: each equal to the trainer's bytes
+        exact = all(c["digest"] == want for c in ran.checks)
+    else:  # slices: each equal to the oracle's, and the same rank of every replica alike
+        same = all(len({c["digest"] for c in ran.checks[r::ranks]}) == 1 for r in range(ranks))
+        exact = same and not any(c["bad"] for c in ran.checks)
+    procs_cpu = ran.trainer_cpu_s + sum(ran.replica_cpu_s) + ran.registry_cpu_s
+    row: dict[str, Any] = {
+        "replicas": n,
+        "all_serve_s": round(max(per_replica), 3),
+        "first_s": round(min(per_replica), 3),
+        "hops": max(ran.hops),
+        "byte_exact": exact,
+        # CPU seconds from go until the last replica's end: each process's own (user+sys,
+        # every thread; a replica's ranks summed), the registry's, and the machine's busy
+        # time over all its cores
+        "trainer_cpu_s": round(ran.trainer_cpu_s, 3),
+        "replica_cpu_s": [round(c, 3) for c in cpu],
+        "registry_cpu_s": round(ran.registry_cpu_s, 3),
+        "pull_cpu_s": [round(c, 3) for c in pull_cpu],
+        "procs_cpu_s": round(procs_cpu, 3),
+        "busy_cpu_s": round(ran.busy_cpu_s, 3),
+        "wall_s": round(ran.wall_s, 3),
+        # since go, per puller (a replica, or each rank of one in turn): when its lease was
+        # granted (placed at a source), and (relays) when it first offered its copy (a
+        # whole one: its first bucket landed; a slice: all of it); its hops and source
+        "handed_s": [round(d["handed"] - ran.go, 3) for d in ran.ends],
+        "first_bucket_s": [None if d["first"] is None else round(d["first"] - ran.go, 3) for d in ran.ends],
+        "replica_hops": ran.hops,
+        "sources": [d["source"] or "trainer" for d in ran.ends],
+        "refused": [d["refused"] for d in ran.ends],  # acquires refused (every source full)
+        "cpus": os.cpu_count(),
+        "loadavg": load,  # before the run: the machine is shared
+    }
+    if ranks > 1:
+        row["rank_serve_s"] = [round(e, 3) for e in ends]
+        row["mismatched"] = [c["bad"] for c in ran.checks if c["bad"]]
+    if ran.verify_cpu_s is not None:
+        row["verify_cpu_s"] = round(ran.verify_cpu_s, 3)
+    return row
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -623,9 +777,12 @@ def add_parser(figures: Any) -> None:
         "to go at once, all serve a version of SIZE bytes, through a served registry on an unshaped control "
         "network: first every one a plain Puller reading the trainer's slot, then each a relaying Puller "
         "(host=, stream=True, relay=True) whose lease the registry places at a source by its policy, relays "
-        "forwarding buckets as they land; beside what `weightpull simulate` predicts from each run's "
-        "one-replica row (its link and CPU per byte, all hosts sharing this machine's cores). Needs root (ip "
-        "netns), the nixl and service extras; it deletes every namespace it made (docs/guides/fanout.md). Also spelled "
+        "forwarding buckets as they land; side by side with the link's limit and their ratio, and beside what "
+        "`weightpull simulate` predicts from each run's one-replica row (its link and CPU per byte, all hosts "
+        "sharing this machine's cores). With --tp, each replica is TP tensor-parallel ranks in its host, each a "
+        "SlicePuller of its slice of a Qwen3-shaped model of about SIZE bytes, relayed by the same rank of "
+        "other replicas once whole. Needs root (ip netns), the nixl and service extras (and torch with --tp); "
+        "it deletes every namespace it made (docs/guides/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
     p.add_argument("--replicas", type=int, default=8, help=f"the most replicas, 1 to {MAX_REPLICAS} (default: 8)")
@@ -638,7 +795,14 @@ def add_parser(figures: Any) -> None:
         type=int,
         default=1,
         help="with relays, live readers per source, the trainer's slot (the registry's --origin-cap) and each "
-        "relay's (relay_cap) (default: 1, a chain)",
+        "relay's (relay_cap) (default: 1, a chain); with --tp the trainer's slot takes CAP x TP ranks",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help=f"tensor-parallel ranks per replica, 1 to {MAX_TP}, each a process pulling its slice (SlicePuller) "
+        f"of a Qwen3-shaped model; at most {MAX_PULLERS} ranks in all (default: whole replicas)",
     )
     p.add_argument("--no-relays", action="store_true", help="measure only the direct reads from the trainer")
     p.add_argument(
@@ -646,7 +810,7 @@ def add_parser(figures: Any) -> None:
         choices=KINDS,
         default=DEFAULT_DIGEST,
         help="the digests the publisher records, which every reader checks (a reader from a relay bucket by "
-        "bucket): "
+        "bucket; with --tp, the kind of the slices' digests, which readers from relays check): "
         "wsum64 (default) is a checksum, cheap (numpy, ~0.02 core-s per 256 MiB), catching corrupt, swapped "
         "or stale buckets but not bytes a hostile relay made to match, for replicas of one job; blake2b128 "
         "is cryptographic, catching those too, at ~1 GB/s a core (docs/guides/fanout.md)",
@@ -662,6 +826,18 @@ def add_parser(figures: Any) -> None:
     p.set_defaults(func=run_command)
 
 
+def link_bytes_per_s(rate: str | None) -> float | None:
+    """Bytes a second a `tc` rate carries ("1gbit": 1.25e8; "100mbps": 1e8); None when
+    unshaped or not in those units."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", (rate or "").strip().lower())
+    if m is None:
+        return None
+    scale = 1000 ** " kmgt".index(m.group(2) or " ")
+    return float(m.group(1)) * scale / (8 if m.group(3) == "bit" else 1)
+
+
 def run_command(args: Any) -> int:
     from weightpull.integrations.simulate import validate
     from weightpull.transports import transport_class
@@ -674,11 +850,22 @@ def run_command(args: Any) -> int:
         raise InvalidArgumentError(f"--cap must be a positive int, got {args.cap}")
     if not 0 < args.progress_ms <= 1000:
         raise InvalidArgumentError(f"--progress-ms must be in (0, 1000], got {args.progress_ms}")
+    if args.tp is not None and not (1 <= args.tp <= MAX_TP and args.tp * args.replicas <= MAX_PULLERS):
+        raise InvalidArgumentError(
+            f"--tp must be in [1, {MAX_TP}] with --replicas x --tp at most {MAX_PULLERS} (each rank is a process "
+            f"on this machine's {os.cpu_count()} cores), got --tp {args.tp} --replicas {args.replicas}"
+        )
     transport_class("nixl")  # fails early, naming the missing extra
     size, bucket = parse_size(args.size), parse_size(args.bucket_size)
     say = say_to_stderr("fanout")
     common = dict(
-        size=size, bucket=bucket, rate=args.rate, progress_s=args.progress_ms / 1e3, digest=args.digest, say=say
+        size=size,
+        bucket=bucket,
+        rate=args.rate,
+        progress_s=args.progress_ms / 1e3,
+        digest=args.digest,
+        tp=args.tp,
+        say=say,
     )
     runs = {"direct": run_fanout(counts(args.replicas), **common)}
     if not args.no_relays:
@@ -693,31 +880,56 @@ def run_command(args: Any) -> int:
     if args.json:
         print(json.dumps(runs))
         return 0 if exact else 1
+    print("\n".join(table(runs, args.cap)))
+    return 0 if exact else 1
+
+
+def table(runs: dict[str, Any], cap: int | None) -> list[str]:
+    """The runs side by side: per N, direct and relayed, each beside the link's limit, the
+    model, and the CPU spent; their ratio; whether every copy was byte-exact."""
     direct = runs["direct"]
-    print(
-        f"{size / MiB:.0f} MiB in {bucket / MiB:.0f} MiB buckets, every link {args.rate}, every reader checking "
-        f"the publisher's {args.digest} digests; direct: every replica reads the trainer's slot; relays: the "
-        f"registry places each at a source by its policy (cap {args.cap}), relays forward buckets as they "
-        "land; simulated: the model "
-        f"calibrated on the one-replica row, hosts sharing {os.cpu_count()} cores; cpu s: the bench's processes "
-        "/ the machine's busy CPU-seconds over the run"
+    nbytes, rate, tp = direct["size_bytes"], direct["rate"], direct.get("tp")
+    link = link_bytes_per_s(rate)
+    one = nbytes / link if link else None  # one copy through one link
+    what = (
+        f"a Qwen3-shaped model of {nbytes / MiB:.0f} MiB (hidden {direct['hidden']}), {tp} tensor-parallel ranks "
+        "per replica, each pulling its slice"
+        if tp
+        else f"{nbytes / MiB:.0f} MiB"
     )
-    print(
-        "replicas  direct s  x one  simulated  error  cpu s        relays s  x one  simulated  error  cpu s        "
-        "hops  byte-exact"
+    relayed_how = (
+        f"each rank placed by the registry at the trainer's slot (cap {cap} x {tp}) or the same rank of another "
+        f"replica (cap {cap}), which offers its slice once whole; readers from relays check the slice's "
+        f"{direct['digest']} digests"
+        if tp
+        else f"the registry places each at a source by its policy (cap {cap}), relays forward buckets as they land"
     )
+    lines = [
+        f"{what} in {direct['bucket_bytes'] / MiB:.0f} MiB buckets, every link {rate}"
+        + (f" (one copy through one link: {one:.2f} s)" if one else "")
+        + f"; direct: every {'rank' if tp else 'replica'} reads the trainer's slot; relays: {relayed_how}; "
+        f"limit: N copies through the trainer's link; simulated: the model calibrated on the one-replica row, "
+        f"hosts sharing {direct['cpus']} cores; cpu s: the bench's processes / the machine's busy CPU-seconds",
+        "replicas  direct s  limit s  simulated  error  cpu s        relays s  simulated  error  cpu s        "
+        "relays/direct  hops  byte-exact",
+    ]
     relayed = {r["replicas"]: r for r in runs.get("relays", {"rows": []})["rows"]}
 
-    def cols(r: dict[str, Any]) -> str:
+    def cols(r: dict[str, Any]) -> list[str]:
         cpu = f"{r['procs_cpu_s']:.1f}/{r['busy_cpu_s']:.1f}"
-        return f"{r['all_serve_s']:8.2f}  {r['vs_one']:5.2f}  {r['simulated_s']:9.2f}  {r['simulated_error']:+5.0%}  {cpu:11}"
+        return [f"{r['all_serve_s']:8.2f}", f"{r['simulated_s']:9.2f}", f"{r['simulated_error']:+5.0%}", f"{cpu:11}"]
 
     for d in direct["rows"]:
         r = relayed.get(d["replicas"])
-        tail = f"{cols(r)}  {r['hops']:4d}" if r else f"{'-':>8}  {'-':>5}  {'-':>9}  {'-':>5}  {'-':11}  {'-':>4}"
-        ok = d["byte_exact"] and (r is None or r["byte_exact"])
-        print(f"{d['replicas']:8d}  {cols(d)}  {tail}  {'yes' if ok else 'NO'}")
-    return 0 if exact else 1
+        row = [f"{d['replicas']:8d}", *cols(d)]
+        row.insert(2, f"{d['replicas'] * one:7.2f}" if one else f"{'-':>7}")
+        if r:
+            row += [*cols(r), f"{r['all_serve_s'] / d['all_serve_s']:13.2f}", f"{r['hops']:4d}"]
+        else:
+            row += [f"{'-':>8}", f"{'-':>9}", f"{'-':>5}", f"{'-':11}", f"{'-':>13}", f"{'-':>4}"]
+        row.append("yes" if d["byte_exact"] and (r is None or r["byte_exact"]) else "NO")
+        lines.append("  ".join(row))
+    return lines
 
 
 if __name__ == "__main__":
