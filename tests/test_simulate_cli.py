@@ -144,3 +144,32 @@ def test_bench_replicas_hosts_is_bench_fanout():
     assert argv == ["bench", "fanout", "--replicas", "8", "--hosts", "emulated"]
     args = parser().parse_args(argv)
     assert (args.replicas, args.hosts, args.size, args.bucket_size) == (8, "emulated", "256M", "16M")
+
+
+def test_bench_fanout_prints_each_run_beside_the_links_limit_and_their_ratio():
+    from weightpull.integrations.bench.fanout import link_bytes_per_s, table
+
+    assert link_bytes_per_s("1gbit") == 125e6 and link_bytes_per_s("100mbps") == 100e6
+    assert link_bytes_per_s(None) is None and link_bytes_per_s("1gibit") is None  # unknown: no limit printed
+    row = dict(procs_cpu_s=1.0, busy_cpu_s=2.0, simulated_s=1.0, simulated_error=0.0, hops=1, byte_exact=True)
+    run_ = dict(size_bytes=125_000_000, bucket_bytes=1 << 24, rate="1gbit", cpus=2, digest="wsum64", tp=2, hidden=1024)
+    runs = {
+        "direct": {
+            **run_,
+            "rows": [{**row, "replicas": 1, "all_serve_s": 1.1}, {**row, "replicas": 4, "all_serve_s": 4.4}],
+        },
+        "relays": {
+            **run_,
+            "rows": [{**row, "replicas": 1, "all_serve_s": 1.1}, {**row, "replicas": 4, "all_serve_s": 2.2, "hops": 2}],
+        },
+    }
+    lines = table(runs, cap=1)
+    assert "one copy through one link: 1.00 s" in lines[0] and "2 tensor-parallel ranks" in lines[0]
+    four = lines[-1].split()
+    assert four[:3] == ["4", "4.40", "4.00"] and four[-3:] == ["0.50", "2", "yes"]  # limit: 4 copies; relays/direct
+
+
+@pytest.mark.parametrize("argv", [["--tp", "5"], ["--tp", "0"], ["--tp", "4", "--replicas", "16"]])
+def test_bench_fanout_bounds_its_ranks(capsys, argv):
+    status, _, err = run(capsys, "bench", "fanout", *argv)
+    assert status == 2 and "--tp must be in [1, 4]" in err
