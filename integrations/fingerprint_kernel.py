@@ -3,7 +3,7 @@ Triton kernels (imported only where a CUDA tensor is fingerprinted and Triton is
 
 The value is the same function of the bytes as the torch path's: the sum of the words
 (the widest of 8, 4, 2 or 1 bytes the size allows; 4- and 2-byte words sign-extended,
-bytes zero-extended) each times (its index mod 65521, plus 1), modulo 2**64. Each
+bytes zero-extended) each times 2 * (its index mod 65521) + 1, modulo 2**64. Each
 program sums a span of words in int64 (Triton's int64 multiply and add wrap, as
 torch's do), and torch sums the programs' partials, so the result is exact and the same
 whatever the order.
@@ -31,12 +31,12 @@ SET_KERNEL_FAILED: list[str] = []  # why the set kernel was given up in this pro
 
 @triton.jit
 def _block_sum(words, first, n, offs, MASKED: tl.constexpr, PERIOD: tl.constexpr):
-    """Words [first, first + BLOCK) each times its weight, (index mod PERIOD) + 1, without
+    """Words [first, first + BLOCK) each times its weight, 2 * (index mod PERIOD) + 1, without
     a 64-bit division per word: the block's first index mod PERIOD, then a wrap at most
     once (BLOCK <= PERIOD)."""
     base = (first % PERIOD).to(tl.int32)
     s = base + offs
-    weight = tl.where(s >= PERIOD, s - PERIOD, s) + 1
+    weight = 2 * tl.where(s >= PERIOD, s - PERIOD, s) + 1
     idx = first + offs
     if MASKED:
         x = tl.load(words + idx, mask=idx < n, other=0).to(tl.int64)

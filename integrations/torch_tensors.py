@@ -194,10 +194,12 @@ _CHUNK = _PERIOD * 256  # words at once (~16.8 M): bounds the int64 product to ~
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Per tensor, the sum of its words each times (its index mod 65521, plus 1), modulo
-    2**64: computed on the device the tensor lives on, and exact, so equal bytes give
-    equal fingerprints on any device; a changed word, or words moved to other places,
-    give another. The sums come to the host in one transfer per device."""
+    """Per tensor, the sum of its words each times an odd weight, 2 * (its index mod
+    65521) + 1, modulo 2**64: computed on the device the tensor lives on, and exact, so
+    equal bytes give equal fingerprints on any device. A one-bit change anywhere changes
+    it (the bit's 2**b times an odd weight is never a multiple of 2**64), and so do most
+    changes of more, and words moved to other places. The sums come to the host in one
+    transfer per device."""
     by_device: dict[torch.device, list[str]] = {}
     for name, t in tensors.items():
         by_device.setdefault(t.device, []).append(name)
@@ -252,7 +254,8 @@ def _sum(words: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _weights(device: torch.device, size: int) -> torch.Tensor:
-    return torch.arange(size, device=device, dtype=torch.int64).remainder_(_PERIOD).add_(1)
+    # Odd: multiplying by an odd number is one-to-one modulo 2**64, so no bit is lost.
+    return torch.arange(size, device=device, dtype=torch.int64).remainder_(_PERIOD).mul_(2).add_(1)
 
 
 _KERNEL_FAILED: list[str] = []  # why the Triton kernel was given up in this process, if it was

@@ -65,10 +65,10 @@ def test_fingerprints_are_exact_and_see_a_changed_or_moved_word():
         }
     )
     assert sums["a"] == sums["same"] and sums["a"] != sums["changed"] and sums["a"] != sums["rolled"]
-    assert sums["empty"] == 0 and sums["three_bytes"] == 1 + 2 + 3  # each byte times its place, plus 1
+    assert sums["empty"] == 0 and sums["three_bytes"] == 1 + 3 + 5  # each byte times 2 * its place + 1
     n, period = 3 * 65521 * 256 + 5, 65521  # several chunks
     big = torch.full((n,), 2**62, dtype=torch.int64)  # the sum wraps modulo 2**64
-    weights = (n // period) * period * (period + 1) // 2 + (n % period) * (n % period + 1) // 2
+    weights = (n // period) * period * period + (n % period) ** 2  # the sum of the first k odd numbers is k**2
     assert fingerprints({"big": big})["big"] == (2**62 * weights + 2**63) % 2**64 - 2**63
 
 
