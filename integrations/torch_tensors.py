@@ -190,7 +190,11 @@ _LANDED = _AlreadyLanded()
 # -- fingerprints: is this the same bytes, wherever it lives --------------------------------
 
 _PERIOD = 65521  # a prime: a shift by whole rows of a power-of-two width changes the sum
-_CHUNK = _PERIOD * 256  # words at once (~16.8 M): bounds the int64 product to ~130 MiB
+# Words summed at once by torch's ops: on the host ~1 M (the cached weights and the product
+# 8 MiB each: a vLLM worker keeps no 128 MiB table for its apply check), on a GPU, where
+# the Triton kernel is the usual path, ~16.8 M (fewer launches).
+_CHUNK = _PERIOD * 16
+_GPU_CHUNK = _PERIOD * 256
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -245,9 +249,10 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def _sum(words: torch.Tensor) -> torch.Tensor:
     """The fingerprint by torch ops, a chunk at a time (several passes over the bytes)."""
     total = torch.zeros((), dtype=torch.int64, device=words.device)
-    weights = _weights(words.device, _CHUNK)
-    for start in range(0, words.numel(), _CHUNK):  # a chunk starts at a multiple of the period
-        chunk = words[start : start + _CHUNK]
+    size = _GPU_CHUNK if words.is_cuda else _CHUNK
+    weights = _weights(words.device, size)
+    for start in range(0, words.numel(), size):  # a chunk starts at a multiple of the period
+        chunk = words[start : start + size]
         total += (chunk * weights[: chunk.numel()]).sum()  # int64, wrapping modulo 2**64
     return total
 
