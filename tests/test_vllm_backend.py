@@ -346,6 +346,11 @@ def test_a_sharded_fsdp_trainer_on_vllms_api_updates_vllm_serve_and_failures_lea
         why = failure(client.init_weight_transfer_engine, {"registry": address, "mirror_devices": "cpu"})
         assert "unknown weightpull init_info key(s) ['mirror_devices']" in why and "'mirror_device'" in why
         _same_as_fresh(server, expected[3], 3)
+        # Refused by the workers (they have no GPU), not the parse: the running pulls go on
+        # (the unknown version below is told by them, as the trainer's line 'fsdp').
+        why = failure(client.init_weight_transfer_engine, {"registry": address, "mirror_device": "cuda"})
+        assert "mirror_device='cuda'" in why
+        _same_as_fresh(server, expected[3], 3)
 
         client.start_weight_update()
         why = failure(client.update_weights, {"version": 9, "timeout": 1.0})

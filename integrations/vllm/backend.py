@@ -251,24 +251,37 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             # the version served, which a failed apply goes back to.
             log.info("weightpull: worker %d already pulls as asked; kept as it is", self.rank)
             return
-        self.shutdown()
+        previous = self._info
+        self._stop_agent()  # it drives the pulls being replaced
         status = self._worker.weightpull_start(attrs.asdict(init_info.spec))
         if status.get("error"):
+            # Refused before the running pulls were touched: they, and an agent that ran,
+            # go on as before, and the replica serves what it served.
+            if previous is not None:
+                self._start_agent(previous)
             raise error_from_info(status["error"])
         self._info = init_info
         log.info(
-            "weightpull: worker %d of %d pulls from %s as %r (sharded=%r)",
+            "weightpull: worker %d of %d pulls from %s as %r (%s)",
             self.rank,
             self.world,
             init_info.spec.registry,
             init_info.spec.holder,
-            init_info.spec.sharded,
+            "its slice" if init_info.spec.sliced(self.parallel_config.tensor_parallel_size) else "whole versions",
         )
-        if init_info.agent is not None and self.rank == 0:
+        self._start_agent(init_info)
+
+    def _start_agent(self, info: InitInfo) -> None:
+        if info.agent is not None and self.rank == 0:
             from .server_agent import ServerAgent
 
-            self._agent = ServerAgent(self, init_info.spec, init_info.agent)
+            self._agent = ServerAgent(self, info.spec, info.agent)
             self._agent.start()
+
+    def _stop_agent(self) -> None:
+        if self._agent is not None:
+            self._agent.stop()
+            self._agent = None
 
     def start_weight_update(self) -> None:
         self._pulls()  # refused here, before anything, if no init came first
@@ -332,9 +345,7 @@ class WeightpullTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._report(version)
 
     def shutdown(self) -> None:
-        if self._agent is not None:
-            self._agent.stop()
-            self._agent = None
+        self._stop_agent()
         self._worker.weightpull_stop()
         self._info = None
 

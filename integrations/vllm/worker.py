@@ -144,12 +144,13 @@ class WeightpullWorker:
 
     def weightpull_start(self, spec: dict[str, Any]) -> dict[str, Any]:
         """`spec` is a `PullSpec` as a dict: the registry's address, the transport's
-        driver name, the lease holder's name, and optional settings."""
-        if self._weightpull is not None:
-            if self._weightpull.pair.current is not None:
-                self._weightpull_fallback = None
-            self._weightpull.close()
-        device = mirror_device(spec.get("mirror_device", "cpu"), getattr(self, "device", None))
+        driver name, the lease holder's name, and optional settings. Pulls started before
+        are replaced only once the new ones are made: a start refused here (a device this
+        worker lacks, a registry it cannot reach) leaves them running."""
+        try:
+            device = mirror_device(spec.get("mirror_device", "cpu"), getattr(self, "device", None))
+        except WeightpullError as exc:  # as data: the engine raises it, typed
+            return {"error": error_info(exc)}
         if self._weightpull_ties is None:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             try:
@@ -157,28 +158,33 @@ class WeightpullWorker:
             except UnsupportedModelError as exc:  # as data: the engine raises it, typed
                 return {"error": error_info(exc)}
             self._weightpull_ties = apply.tied_parameters(model)
-        self._weightpull_check = bool(spec.get("check_apply", True))
-        self._weightpull_sliced = None
+            apply.identity_layers(model)  # probed now (once per model), not in the first pause
+        sliced = None
         if pulls_slices(spec.get("sharded", "auto"), self._weightpull_tensor_parallel()):
             try:
-                self._weightpull_sliced = self._weightpull_slice()
+                sliced = self._weightpull_slice()
             except Exception as exc:  # as data: the engine raises it, typed
                 return {"error": error_info(exc)}
         try:
-            self._weightpull = BackgroundPulls(
+            pulls = BackgroundPulls(
                 _setup(spec),
                 holder=self._weightpull_holder(spec),
                 ttl=spec.get("ttl", 10.0),
                 device=device,
-                rank_slice=None if self._weightpull_sliced is None else self._weightpull_sliced[0],
+                rank_slice=None if sliced is None else sliced[0],
                 mirrors=2 if spec.get("spare_mirror", True) else 1,
                 publisher=spec.get("publisher"),
                 **relaying(spec),
                 **digesting(device),
             )
         except WeightpullError as exc:  # as data: the engine raises it, typed
-            self._weightpull = None
             return {"error": error_info(exc)}
+        if self._weightpull is not None:
+            if self._weightpull.pair.current is not None:
+                self._weightpull_fallback = None  # the served version's mirror goes with them
+            self._weightpull.close()
+        self._weightpull, self._weightpull_sliced = pulls, sliced
+        self._weightpull_check = bool(spec.get("check_apply", True))
         return self.weightpull_status()
 
     def weightpull_prepare(self) -> dict[str, Any]:
@@ -285,7 +291,8 @@ class WeightpullWorker:
         """This rank's slice, recorded from its own loaders (`slices.record_reads`) once per
         worker, before any version is applied: the model then holds its checkpoint again."""
         if self._weightpull_reads is None:
-            if self._weightpull_fallback != CHECKPOINT:
+            served = self._weightpull is not None and self._weightpull.pair.current is not None
+            if served or self._weightpull_fallback != CHECKPOINT:
                 raise RuntimeError("a worker records its slice before any version is applied")
             runner = self.model_runner  # type: ignore[attr-defined]
             dtype = str(runner.model_config.dtype).removeprefix("torch.")  # versions come in the engine's dtype
