@@ -697,7 +697,9 @@ class Puller:
             self.checker.checkable(manifest, must=self.host is not None or self._insist)  # refused before any read
             if self.spare_mirror and self.offered is not None:
                 self.mirror, self.mirror_version = await self.relays.take_spare(self.mirror, self.mirror_version)
-            mirror = self._mirror_for(manifest.layout, manifest.delta.room if manifest.delta else 0)
+            delta = manifest.delta
+            keep = delta is not None and self.deltas and delta.base == self.mirror_version  # the base, if it grows
+            mirror = self._mirror_for(manifest.layout, delta.room if delta else 0, keep=keep)
             base = self._base_for(manifest)  # where the delta's base is, if held (the mirror grew keeping it)
             source = lease.source  # as the acquire placed it: "" for the slot, else a relay
             relayed = attrs.evolve(manifest, source=lease.descriptor) if source else manifest
@@ -1044,10 +1046,11 @@ class Puller:
         while len(self._manifests) > 4:
             self._manifests.popitem(last=False)
 
-    def _mirror_for(self, layout: Layout, room: int = 0) -> Region:
+    def _mirror_for(self, layout: Layout, room: int = 0, *, keep: bool = False) -> Region:
         """The registered mirror, with `room` past the version for its delta section. A
         new layout signature means the model changed shape; the mirror is re-registered
-        only if the new layout needs more room, keeping what it holds (a delta's base)."""
+        only if the new layout needs more room, keeping what it holds if asked (`keep`: a
+        delta's base; the old mirror is then released only once copied)."""
         if layout.signature != self.layout_signature:
             if self.layout_signature is not None:
                 self.layout_changes += 1
@@ -1055,9 +1058,13 @@ class Puller:
             self.layout_signature = layout.signature
         if self.mirror is not None and self.mirror.nbytes >= layout.total_bytes + room:
             return self.mirror
-        old, self.mirror = self.mirror, self.transport.allocate(layout.total_bytes + room, self.device)
-        if old is not None:
-            if self.mirror_version is not None and old.view is not None and self.mirror.view is not None:
+        old, self.mirror = self.mirror, None
+        keep = keep and old is not None and old.view is not None
+        if old is not None and not keep:  # released first: the two need not be held at once
+            self.transport.deregister(old)
+        self.mirror = self.transport.allocate(layout.total_bytes + room, self.device)
+        if old is not None and keep:
+            if self.mirror.view is not None:
                 self.mirror.host_view()[: old.nbytes] = old.host_view()
             self.transport.deregister(old)
         return self.mirror
