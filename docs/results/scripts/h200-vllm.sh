@@ -159,7 +159,8 @@ run() {  # on the device, with every part stashed: install, verify, then the job
         gpu) limit=${GPU_BENCH_LIMIT:-110} ;;
         tests) limit=${TEST_LIMIT:-120} ;;
         tiny) limit=${TINY_LIMIT:-150} ;;
-        *) echo "unknown job $job (vllm, gpu, tests, tiny)"; exit 2 ;;
+        fp8) limit=${FP8_LIMIT:-60} ;;
+        *) echo "unknown job $job (vllm, gpu, tests, tiny, fp8)"; exit 2 ;;
         esac
         [ "$limit" -gt "$left" ] && limit=$left
         if [ "$limit" -lt 30 ]; then echo "=== $job: not run, ${left} s left of the budget"; continue; fi
@@ -184,9 +185,16 @@ run() {  # on the device, with every part stashed: install, verify, then the job
             ;;
         tests)
             WEIGHTPULL_DRIVERS=cuda_ipc,cuda_ipc_host timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
-                --timeout=90 --durations=0 tests/gpu >"$OUT/gpu-tests.txt" 2>&1
+                --timeout=90 --durations=0 ${TESTS:-tests/gpu} >"$OUT/gpu-tests.txt" 2>&1
             echo "tests exit $?"
             grep -E "passed|failed|error" "$OUT/gpu-tests.txt" | tail -5
+            ;;
+        fp8)  # the trainer's snapshot cast to bf16 and to block fp8, side by side (docs/guides/bytes.md)
+            timeout -s INT -k 10 "$limit" python3 -m weightpull.integrations.bench.fp8_cast --preset 8b --repeat 3 \
+                --json >"$OUT/fp8-cast.json" 2>"$OUT/fp8-cast.err"
+            echo "bench exit $?"
+            tail -4 "$OUT/fp8-cast.err"
+            cat "$OUT/fp8-cast.json"
             ;;
         esac
     done
@@ -199,5 +207,5 @@ stash) stash "$2" ;;
 install) install ;;
 verify) install && environment && verify ;;
 run) run ;;
-*) echo "usage: $0 pack | stash PART | install | verify | run   (JOBS='vllm gpu tests tiny', BUDGET, PRESET, BENCH_ARGS)"; exit 2 ;;
+*) echo "usage: $0 pack | stash PART | install | verify | run   (JOBS='vllm gpu tests tiny fp8', BUDGET, PRESET, BENCH_ARGS, TESTS)"; exit 2 ;;
 esac
