@@ -384,6 +384,14 @@ class ApplyError(WeightpullError):
         self.version, self.restored = version, restored
 
 
+class ReplicaUpdateError(WeightpullError):
+    """A replica refused or failed a step of vLLM's weight-update handshake, driven by the
+    `weightpull` backend's trainer engine: the version stays published, and the replica
+    serves what it served before. The message is the replica's own (a bad init, an
+    unknown version, a version that does not load, a publisher that lapsed).
+    """
+
+
 class IncompleteApplyError(WeightpullError):
     """An apply did not reach every weight the engine computes with.
 

@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from weightpull.errors import InvalidArgumentError, PublishError, WeightpullError
+from weightpull.errors import InvalidArgumentError, PublishError, ReplicaUpdateError
 from weightpull.layout import TensorSpec
 from weightpull.principals import Principal, Role
 from weightpull.registry import Registry, connect_registry
@@ -56,11 +56,6 @@ from .plugin import register
 log = logging.getLogger(__name__)
 
 PUBLISH_MODES = ("auto", "sharded", "whole")
-
-
-class ReplicaUpdateError(WeightpullError):
-    """A replica refused or failed a step of the update handshake: the version stays
-    published, and the replica serves what it served before (the message is its own)."""
 
 
 @dataclass
