@@ -50,6 +50,10 @@ from .transport import Read2D, Region, Remote, Transport, fault_in
 log = logging.getLogger(__name__)
 
 _BATCH_BYTES = 64 << 20  # progress is counted per batch: one lands well within a stall timeout
+# Batches read at once. Reads asked together share the link and land together (NIXL over
+# UCX's tcp interleaves them), so with every batch asked at once none landed before the
+# last did: a slow shared link (4 replicas of 2 ranks at 1 Gbit/s) then looked stalled.
+_BATCHES_IN_FLIGHT = 2
 _BATCH_READS = 4096
 _PLANS_KEPT = 4
 _LEASE_FIELDS = ("ttl", "renew_every", "stall_timeout")
@@ -364,7 +368,13 @@ class SlicePuller:
         version still streamed, each once the buckets it lies in are committed, and then
         the version's READY awaited."""
 
+        in_flight = anyio.CapacityLimiter(_BATCHES_IN_FLIGHT)
+
         async def batch(reads: list[SliceRead], done: Callable[[int], None]) -> None:
+            async with in_flight:
+                await read(reads, done)
+
+        async def read(reads: list[SliceRead], done: Callable[[int], None]) -> None:
             flat = [(remotes[r.shard], r.src, mirror, r.dst, r.width) for r in reads if r.height == 1]
             strided: list[Read2D] = [
                 (remotes[r.shard], r.src, r.src_pitch, mirror, r.dst, r.dst_pitch, r.width, r.height)

@@ -107,3 +107,45 @@ async def test_a_slice_naming_a_tensor_the_version_lacks_is_refused(world):
         await puller.pull()
     with pytest.raises(InvalidArgumentError, match="ttl must be positive"):
         SlicePuller(world.registry, world.transport(), _slice(SPECS, 0, 2, 2), ttl=0)
+
+
+async def test_a_rank_reads_a_few_batches_at_a_time_so_that_each_lands_before_the_last(world, monkeypatch):
+    """Reads asked together share the link and land together: asked all at once, no batch
+    landed before the last did, and a slow shared link looked stalled. At most
+    `_BATCHES_IN_FLIGHT` batches are asked at once, and the slice is still exact."""
+    import anyio
+
+    from weightpull import slice_puller
+
+    monkeypatch.setattr(slice_puller, "_BATCH_BYTES", 256)  # many batches of this small model
+    pubs = [world.publisher(name=f"trainer{i}") for i in range(2)]
+    full = await _publish(world, pubs, 1)
+
+    class Counting(WrappedTransport):
+        def __init__(self, inner) -> None:
+            super().__init__(inner)
+            self.now = self.most = self.calls = 0
+
+        async def _counted(self, read) -> None:
+            self.now += 1
+            self.calls += 1
+            self.most = max(self.most, self.now)
+            try:
+                await anyio.sleep(0.001)  # the others may start meanwhile
+                await read
+            finally:
+                self.now -= 1
+
+        async def read_many(self, reads) -> None:
+            await self._counted(self.inner.read_many(reads))
+
+        async def read_2d_many(self, reads) -> None:
+            await self._counted(self.inner.read_2d_many(reads))
+
+    transport = Counting(world.transport())
+    async with SlicePuller(world.registry, transport, _slice(SPECS, 0, 2, 2), clock=world.clock) as puller:
+        pulled = await puller.pull()
+    _check(pulled, full, 0, 2)
+    assert slice_puller._BATCHES_IN_FLIGHT == 2
+    assert transport.calls > 8  # many batches...
+    assert 1 <= transport.most <= 2  # ...two at a time
