@@ -72,6 +72,8 @@ async def test_puller_metrics_per_pull(world):
         "pull/torn_reads": 0,
         "pull/stalls": 0,
         "pull/borrows": 0,
+        "pull/patched": 0,
+        "pull/unpatched": 0,
     }
     await pub.publish(1, host_tensors(1))
     async with autojump(world.clock):
