@@ -243,6 +243,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     move the least."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
     width = next(w for w in (8, 4, 2, 1) if raw.numel() % w == 0)
+    if raw.storage_offset() % width:  # a view starting mid-word (a slice of bytes): its words, aligned
+        raw = raw.clone()
     return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
 
 

@@ -84,3 +84,13 @@ def test_fingerprint_tensors_gives_the_same_values_on_the_device_in_order():
     assert on_device.dtype == torch.int64 and on_device.shape == (4,)
     assert on_device.tolist() == list(fingerprints({str(i): t for i, t in enumerate(ts)}).values())
     assert fingerprint_tensors([]).shape == (0,)
+
+
+def test_a_view_that_starts_mid_word_has_the_fingerprint_of_its_bytes():
+    # Found on the H200: 4096 bytes from offset 3 of a uint8 buffer are 8-byte words that
+    # torch cannot view in place.
+    base = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    view = base[3:]
+    assert view.storage_offset() == 3
+    assert fingerprints({"a": view})["a"] == fingerprints({"a": view.clone()})["a"]
+    assert fingerprints({"a": view})["a"] != fingerprints({"a": base[2:4098]})["a"]
