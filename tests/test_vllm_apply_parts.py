@@ -185,7 +185,10 @@ def test_writes_into_a_layer_loaded_straight_are_counted_until_it_is_whole():
         for _, x in published:
             model.a.weight.copy_(x)  # whole, and its twin with it
             model.b.weight[:2].copy_(x[:2])  # half
-    assert sorted(reference.expected) == sorted(map(id, (model.a, model.tied)))
+    # Whole: a and its twin, fingerprinted as loaded at the next flush (one launch for all).
+    assert sorted(reference.pending) == sorted(map(id, (model.a, model.tied))) and not reference.expected
+    reference.flush()
+    assert sorted(reference.expected) == sorted(map(id, (model.a, model.tied))) and not reference.pending
     missing, partial = [], []
     loads.unloaded(model, missing, partial)
     assert (missing, partial) == (["c"], ["b"])
@@ -197,3 +200,28 @@ def test_writes_into_a_layer_loaded_straight_are_counted_until_it_is_whole():
 
     with pytest.raises(ApplyCheckError, match=r"a\.weight"):
         reference.compare(model)
+
+
+def test_a_write_into_a_whole_layer_before_the_flush_is_still_seen():
+    """The fingerprints as loaded are taken for all whole layers at once, but before any
+    in-place operation (not only `copy_`) writes one of them again: so a layer clobbered
+    while other layers still load is named by the check."""
+    import pytest
+
+    from weightpull.errors import ApplyCheckError
+    from weightpull.integrations.vllm.apply import _DirectLoads, _Reference
+
+    model = torch.nn.Module()
+    model.a, model.b = (torch.nn.Linear(4, 4, bias=False) for _ in range(2))
+    reference = _Reference(True, set())
+    loads = _DirectLoads([model.a, model.b], reference)
+    published = _Published([("x", torch.ones(4, 4))])
+    with torch.no_grad(), _Reads(published, loads):
+        for _, x in published:
+            model.a.weight.copy_(x)  # a is whole: pending
+            model.a.weight.mul_(3)  # a clobber by another operation, before b loads
+            model.b.weight.copy_(x)
+    reference.flush()
+    with pytest.raises(ApplyCheckError, match=r"a\.weight") as failed:
+        reference.compare(model)
+    assert "b.weight" not in str(failed.value)

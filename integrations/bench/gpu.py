@@ -245,8 +245,8 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
     the pause, at Qwen3-8B's shapes on the GPU, beside the apply itself (one device copy
     per tensor, from a GPU mirror). The check as the apply runs it for layers whose
     first-load processing is the identity (every layer of an unquantized model on a GPU):
-    each layer fingerprinted as loaded, right after its copy, then every layer's kernel
-    tensors at once, compared on the device, one transfer. Beside it the reference check
+    every layer fingerprinted as loaded once the copies end, then every layer's kernel
+    tensors at the apply's end, each set at once, compared on the device, one transfer. Beside it the reference check
     (what every layer had before: a copy of the loaded tensors and two fingerprints), the
     fingerprint's rate by the set kernel and by one launch per tensor, and the set
     kernel's rate under a few launch settings (`fingerprint_kernel`'s BLOCK, SPAN, WARPS)."""
@@ -270,12 +270,11 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
             weights[n].copy_(mirror[n])
 
     def apply_checked() -> bool:
-        loaded = []
         for n in names:
             weights[n].copy_(mirror[n])
-            loaded.append(fingerprint_tensors([weights[n]]))  # the layer is whole: as loaded
-        now = fingerprint_tensors([weights[n] for n in names])
-        return not bool((now != torch.cat(loaded)).any())  # the one transfer
+        loaded = fingerprint_tensors([weights[n] for n in names])  # every layer as loaded, at once
+        now = fingerprint_tensors([weights[n] for n in names])  # the kernels' tensors at the apply's end
+        return not bool((now != loaded).any())  # the one transfer
 
     def reference() -> None:
         for t in weights.values():
@@ -312,8 +311,8 @@ def bench_apply_check(repeat: int, say: Callable[[str], None]) -> dict[str, Any]
         "exact": exact and caught,
     }
     say(
-        f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms (each layer as loaded, then "
-        f"all at once): check/apply {result['check_over_apply']}x, pause/apply {result['pause_over_apply']}x; "
+        f"apply check: apply {result['apply_ms']} ms, check {result['check_ms']} ms (the layers as loaded, then "
+        f"at the end, each set at once): check/apply {result['check_over_apply']}x, pause/apply {result['pause_over_apply']}x; "
         f"the reference check (a copy + 2 fingerprints) {result['reference_check_ms']} ms, "
         f"{result['reference_over_apply']}x; fingerprints of the set {result['fingerprint_ms']} ms "
         f"({result['fingerprint_gbps']} GB/s, by {result['fingerprint_by']}), one launch per tensor "
