@@ -98,6 +98,9 @@ async def test_after_v1_v2_and_v1_again_the_replica_equals_a_fresh_engine(family
             await _a_version_missing_a_layer_is_refused_and_the_replica_keeps_serving(
                 r, publisher, version_weights(model, base, 2, names="checkpoint"), expected[str(paths[1])]
             )
+            await _an_fp8_version_is_refused_by_an_unquantized_replica_before_it_loads(
+                r, publisher, version_weights(model, base, 2, names="checkpoint"), expected[str(paths[1])]
+            )
         tg.cancel_scope.cancel()
     await transport.aclose()
 
@@ -111,6 +114,19 @@ async def _a_version_missing_a_layer_is_refused_and_the_replica_keeps_serving(r,
     assert "v4" in r.agent.stats.last_apply_error and "got no weights" in r.agent.stats.last_apply_error
     assert "model.norm" in r.agent.stats.last_apply_error
     assert compare(v1, await serve_async(r.llm, request_prefix="after-v4")) == []  # v3 holds v1's weights
+
+
+async def _an_fp8_version_is_refused_by_an_unquantized_replica_before_it_loads(r, publisher, v2, v1) -> None:
+    """A block-fp8 version (weightpull.integrations.fp8) to a replica started from an
+    unquantized checkpoint: refused with the fix, nothing loaded, v3 still served."""
+    from weightpull.integrations import fp8
+
+    await publisher.publish(5, dict(fp8.expand(v2)))
+    await _until(lambda: r.agent.stats.apply_failures == 2)
+    error = r.agent.stats.last_apply_error
+    assert "v5 was published in block fp8" in error and "serves an unquantized checkpoint" in error, error
+    assert r.agent.serving == 3 and not await r.llm.is_paused()
+    assert compare(v1, await serve_async(r.llm, request_prefix="after-v5")) == []
 
 
 async def test_fsdp_publisher_of_a_tied_llama_under_checkpoint_names_reaches_vllm_whole(tmp_path):

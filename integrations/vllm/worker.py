@@ -224,6 +224,7 @@ class WeightpullWorker:
         started = time.perf_counter()
         try:
             pulled = pulls.take(version, timeout)
+            self._weightpull_servable(pulled)
         except Exception as exc:  # nothing was touched: the model still serves its version
             return {
                 "ok": False,
@@ -306,6 +307,17 @@ class WeightpullWorker:
 
         rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         return slices.rank_slice(reads, specs, rank, ranks), specs
+
+    def _weightpull_servable(self, pulled: Pulled | SlicePulled) -> None:
+        """Refuse, before anything is loaded, a version of a form this engine does not serve
+        (a block-fp8 version to an unquantized checkpoint, or the reverse)."""
+        from weightpull.integrations import fp8
+
+        config = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        quantization = getattr(config, "quantization_config", None)
+        if quantization is not None and not isinstance(quantization, dict):
+            quantization = quantization.to_dict()  # transformers' config object
+        fp8.check_servable(pulled.manifest.layout, pulled.version, quantization)
 
     def _weightpull_load(self, pulled: Any) -> apply.ApplyReport:
         """Checkpoint-format reload, checked: from a mirror, or (None) from the model's own files."""
