@@ -29,7 +29,7 @@ TORCH_SETUP_COST := $(TORCH_VENV): ~3 GB of wheels (torch 2.15, whose only build
 VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_MIN_FREE_GB := 4
-VERL_PINS := verl==0.9.1 ray==2.60.0 transformers==5.10.4 $(TORCH) pytest
+VERL_PINS := verl==0.9.1 ray==2.60.0 transformers==5.10.4 $(TORCH) pytest pytest-timeout
 VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10, nixl; torch's CPU wheel from this machine's wheel folder where it has one), a ~2.1 GB venv, ~1.5 min
 
 # The editable install is a link tree (build/__editable__.*): `weightpull`, `.drivers` and
@@ -103,7 +103,7 @@ lint: links
 	$(BIN)/mypy
 
 test: test-plan setup setup-torch setup-verl lint docs-build
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --durations=25
 	WEIGHTPULL_DRIVERS=torch $(TORCH_VENV)/bin/python -m pytest -q tests/conformance tests/torch_transport
 	$(MAKE) --no-print-directory test-verl
 

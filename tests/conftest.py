@@ -12,27 +12,10 @@ from weightpull import FakeClock, HostTensor, InProcessRegistry, Publisher, Pull
 from weightpull.drivers.fake import FakeFabric, FakeTransport
 from weightpull.tensors import HostTensorAdapter
 
-# `make test` runs this suite on two pytest-xdist workers (`-n 2`). Each file's tests run
-# on one worker, in order, so module-scoped fixtures start once, as in a serial run; the
-# files that start vLLM engines (each takes both cores, and test_vllm.py's four start under
-# a deadline) form one unit, run first and one at a time, while the other worker takes the
-# rest. A scheduler of its own, as xdist's `loadgroup` cannot mark groups under pytest 9.
-VLLM_FILES = ("test_loop_demo.py", "test_demo_processes.py")
-
-
-def _starts_vllm(path: str) -> bool:
-    name = path.rsplit("/", 1)[-1]
-    return name.startswith("test_vllm") or name in VLLM_FILES
-
 
 @pytest.hookimpl(optionalhook=True)  # .venv-verl runs these tests without xdist
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByFile(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "vllm" if _starts_vllm(path) else path
+    from .scheduling import ByFile  # how the suite is spread, and why
 
     config.option.loadscopereorder = False  # in collection order, which puts vLLM's first
     return ByFile(config, log)
@@ -40,7 +23,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(items) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: vLLM's files first
-        items.sort(key=lambda item: not _starts_vllm(str(item.path)))
+        from .scheduling import starts_vllm
+
+        items.sort(key=lambda item: not starts_vllm(str(item.path)))
 
 
 @pytest.fixture
