@@ -3,7 +3,10 @@ against a measured fan-out.
 
 Predicts the time until N replicas serve a model, with and without relays, for the
 models in `MODELS` at a host bandwidth (400 Gbit/s by default), and draws it beside the
-published figures of other systems (`--plot`, with matplotlib: the `plot` extra).
+published figures of other systems (`--plot`, with matplotlib: the `plot` extra). With
+`--form`, each model's versions as published whole in bf16 or fp8, or as deltas of
+either (the wire bytes from the fractions measured in docs/guides/bytes.md), beside the
+goals of issue [bytes] for the 1T model (`GOALS`).
 `validate` calibrates the model on a measured fan-out's one-replica row (whole replicas,
 or tensor-parallel ones, each rank a slice) and predicts the rest of the measured run: its link from the time, and, where the run measured CPU, what
 each byte costs the sender's and the reader's CPU (and the reader's check of its copy),
@@ -27,25 +30,72 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+FORMS = ("full", "delta", "fp8", "fp8-delta")  # how a version is published: whole or a delta, bf16 or fp8
+DELTAS = ("delta", "fp8-delta")
+
+# The measured fractions (docs/guides/bytes.md, `python -m weightpull.integrations.bench.delta`):
+# the bytes a version moves as a share of its bf16 bytes, one RL step of a small Qwen3 at lr 1e-6.
+DELTA_FRACTION = 0.0381  # a bf16 delta (sparse16: offsets and values), "bf16 ... its delta (mean) 3.81%"
+FP8_DELTA_FRACTION = 0.0142  # an fp8 delta of the same steps, "fp8 ... 0.209 MB (1.42%)" of the bf16 bytes
+FP8_FRACTION = 0.576  # block fp8 with its scales, Qwen3-8B (bench fp8_cast on the H200: 9.44 GB of 16.38 GB)
+
+
 @attrs.frozen
 class Model:
     label: str
-    nbytes: int  # the whole model, as the replicas hold it
+    nbytes: int  # the whole model in its preset's form (`form`), as the replicas hold it
     hosts: int  # hosts one replica spans; each receives nbytes / hosts (its ranks' slice)
     bucket_bytes: int
+    form: str = "full"  # the form `nbytes` counts, the default: "full" (bf16) or "fp8"
+    bf16_bytes: int = 0  # the whole model in bf16; 0: `nbytes` (a bf16 preset)
+    fp8_fraction: float = FP8_FRACTION  # its fp8 form's bytes over its bf16 bytes
 
     @property
     def slice_bytes(self) -> int:
         return -(-self.nbytes // self.hosts)
 
 
+@attrs.frozen
+class Fractions:
+    """A delta version's bytes as a share of the version's bf16 bytes (`--delta-fraction`,
+    `--fp8-delta-fraction`), measured by default."""
+
+    delta: float = DELTA_FRACTION
+    fp8_delta: float = FP8_DELTA_FRACTION
+
+
+def wire_bytes(model: Model, form: str, fractions: Fractions = Fractions()) -> int:
+    """The bytes each replica reads per version of `model` in `form` (all its hosts): its
+    preset's own in its preset's form; else the bf16 bytes times the form's fraction. A
+    delta is read by a replica that holds its base."""
+    if form not in FORMS:
+        raise InvalidArgumentError(f"a form is one of {', '.join(FORMS)}, got {form!r}")
+    if form == model.form:
+        return model.nbytes
+    bf16 = model.bf16_bytes or model.nbytes
+    share = {"full": 1.0, "fp8": model.fp8_fraction, "delta": fractions.delta, "fp8-delta": fractions.fp8_delta}
+    return round(bf16 * share[form])
+
+
 MODELS = {
     # Qwen3-8B's shape in bf16 (DESIGN.md: 16.4 GB), one replica per host.
     "8b": Model("8B bf16 (16.4 GB), 1 host per replica", 16_400_000_000, 1, 256 * MiB),
-    # A 1T-parameter MoE in fp8 (Kimi-K2's released form, ~1 TB), one replica on 16 hosts of 8
-    # GPUs (128 GPUs, as in Perplexity's figure), each host reading its ranks' 1/16.
-    "1t": Model("1T fp8 (1 TB), 16 hosts (128 GPUs) per replica", 1_000_000_000_000, 16, GiB),
+    # A 1T-parameter MoE in fp8 (Kimi-K2's released form, ~1 TB: half its 2 TB in bf16, the
+    # linear weights nearly all of it), one replica on 16 hosts of 8 GPUs (128 GPUs, as in
+    # Perplexity's figure), each host reading its ranks' 1/16.
+    "1t": Model(
+        "1T fp8 (1 TB), 16 hosts (128 GPUs) per replica",
+        1_000_000_000_000,
+        16,
+        GiB,
+        form="fp8",
+        bf16_bytes=2_000_000_000_000,
+        fp8_fraction=0.5,
+    ),
 }
+
+# Issue [bytes]'s goals for the 1T model at 400 Gbit/s per host: (replicas, what, seconds).
+GOALS = ((1, "128 GPUs", 1.0), (10_000, "10,000 replicas", 1.5))
 
 # Published figures of other systems, as issue 15 cites them: (label, replicas, seconds).
 # None: the source gives no replica count comparable to ours; drawn as a level line.
@@ -68,11 +118,24 @@ class Params:
     failures: tuple[Failure, ...] = ()
 
 
-def scenario(model: Model, replicas: int, p: Params, *, relays: bool) -> Scenario:
+def scenario(
+    model: Model, replicas: int, p: Params, *, relays: bool, form: str | None = None, fractions: Fractions = Fractions()
+) -> Scenario:
+    """One host's slice of `model` (in `form`; None: its preset's) fanned out to `replicas`.
+    A delta is one section past the version in the slot, read in pieces of the layout's
+    bucket size (`Manifest.delta_pieces`), so its reads are its bytes over the bucket size,
+    each paying the read's latency and the bucket's overhead. A relay holding the base
+    patches the delta, checks the whole version and only then offers it (`Puller._patched`:
+    the copy lands at once), so deltas are relayed whole, not forwarded bucket by bucket.
+    A model on several hosts patches each host's slice from its own delta: each host a
+    `Puller` of a version of its own, as the slices here are each their own fan-out (a
+    `SlicePuller` reads its slice's bytes and never a delta section)."""
+    form = form or model.form
     return Scenario(
         replicas=replicas,
-        nbytes=model.slice_bytes,
+        nbytes=-(-wire_bytes(model, form, fractions) // model.hosts),
         bucket_bytes=model.bucket_bytes,
+        forward=form not in DELTAS,
         bandwidth=p.bandwidth,
         latency=p.latency,
         bucket_overhead=p.bucket_overhead,
@@ -84,26 +147,55 @@ def scenario(model: Model, replicas: int, p: Params, *, relays: bool) -> Scenari
     )
 
 
-def predict(models: Sequence[str], replicas: Sequence[int], p: Params) -> list[dict[str, Any]]:
+def predict(
+    models: Sequence[str],
+    replicas: Sequence[int],
+    p: Params,
+    forms: Sequence[str] | None = None,
+    fractions: Fractions = Fractions(),
+) -> list[dict[str, Any]]:
+    """A row per model, form and replica count. `forms` None: each model in its preset's
+    form, the rows without the form's keys (as before forms)."""
     rows = []
     for key in models:
         model = MODELS[key]
-        one = one_read_s(scenario(model, 1, p, relays=False))
-        for n in replicas:
-            direct = simulate(scenario(model, n, p, relays=False))
-            relayed = simulate(scenario(model, n, p, relays=True))
-            rows.append(
-                {
-                    "model": key,
-                    "replicas": n,
-                    "one_s": round(one, 4),
-                    "direct_s": round(direct.all_serve_s, 4),
-                    "relays_s": round(relayed.all_serve_s, 4),
-                    "relay_hops": relayed.max_hops,
-                    "restarts": relayed.restarts,
-                }
-            )
+        for form in forms or (None,):
+            one = one_read_s(scenario(model, 1, p, relays=False, form=form, fractions=fractions))
+            for n in replicas:
+                direct = simulate(scenario(model, n, p, relays=False, form=form, fractions=fractions))
+                relayed = simulate(scenario(model, n, p, relays=True, form=form, fractions=fractions))
+                row: dict[str, Any] = {"model": key, "replicas": n}
+                if form is not None:
+                    row.update(form=form, wire_bytes=wire_bytes(model, form, fractions))
+                row.update(
+                    one_s=round(one, 4),
+                    direct_s=round(direct.all_serve_s, 4),
+                    relays_s=round(relayed.all_serve_s, 4),
+                    relay_hops=relayed.max_hops,
+                    restarts=relayed.restarts,
+                )
+                rows.append(row)
     return rows
+
+
+def goals(rows: list[dict[str, Any]], p: Params, fractions: Fractions = Fractions()) -> list[dict[str, Any]]:
+    """For each form of the 1T model among `rows`: its time to each of `GOALS` (one
+    replica: its 128 GPUs reading alone; 10,000: with relays), taken from the rows where
+    they hold that count, else simulated here, beside the goal."""
+    out = []
+    model = MODELS["1t"]
+    for form in dict.fromkeys(r.get("form") or model.form for r in rows if r["model"] == "1t"):
+        held = {r["replicas"]: r for r in rows if r["model"] == "1t" and (r.get("form") or model.form) == form}
+        for n, what, goal in GOALS:
+            if n in held:
+                seconds = held[n]["one_s"] if n == 1 else held[n]["relays_s"]
+            elif n == 1:
+                seconds = one_read_s(scenario(model, 1, p, relays=False, form=form, fractions=fractions))
+            else:
+                seconds = simulate(scenario(model, n, p, relays=True, form=form, fractions=fractions)).all_serve_s
+            seconds = round(seconds, 4)
+            out.append({"form": form, "to": what, "replicas": n, "s": seconds, "goal_s": goal, "met": seconds <= goal})
+    return out
 
 
 @attrs.frozen
@@ -117,13 +209,33 @@ class Calibration:
     verify_cpu: float = 0.0  # the reader's check of its copy (measured apart, off the clock)
 
 
+def run_form(measured: dict[str, Any]) -> str:
+    """The form a measured run published its versions in (its `form`; absent: "full")."""
+    form = measured.get("form") or "full"
+    if form not in FORMS:
+        raise InvalidArgumentError(f"a measured run's form is one of {', '.join(FORMS)}, got {form!r}")
+    return str(form)
+
+
+def run_bytes(measured: dict[str, Any]) -> int:
+    """What each replica of a measured run read per version: its `wire_bytes` (a delta's
+    section, an fp8 version's bytes); absent: the version's `size_bytes`."""
+    nbytes = measured.get("wire_bytes")
+    if nbytes is None:
+        return int(measured["size_bytes"])
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+        raise InvalidArgumentError(f"a measured run's wire_bytes must be a positive int, got {nbytes!r}")
+    return nbytes
+
+
 def calibrate(measured: dict[str, Any]) -> Calibration:
     """The model's figures from the one-replica row of a measured run alone (never from
-    the rows it is checked against). A run without CPU figures calibrates the link only."""
+    the rows it is checked against). A run without CPU figures calibrates the link only.
+    A run that says its `wire_bytes` is calibrated on those: the bytes its copy moved."""
     base = min(measured["rows"], key=lambda r: r["replicas"])
     if base["replicas"] != 1:
         raise InvalidArgumentError("a measured fan-out to validate against needs its one-replica row")
-    nbytes, seconds = measured["size_bytes"], base["all_serve_s"]
+    nbytes, seconds = run_bytes(measured), base["all_serve_s"]
     cpus = measured.get("cpus") or base.get("cpus")
     if cpus is None or "trainer_cpu_s" not in base or "replica_cpu_s" not in base:
         return Calibration(bandwidth=nbytes / seconds)
@@ -148,19 +260,22 @@ def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
     tensor-parallel replicas (`tp`) is modelled as such: each replica's ranks are slices
     of their own layouts sharing its host's link (`parts`), relayed once whole, the
     trainer's slot taking the run's `origin_cap`. Each row also says the CPU the model
-    demanded (core-seconds) beside what the run's processes spent."""
+    demanded (core-seconds) beside what the run's processes spent. A run that says its
+    `form` and `wire_bytes` (a delta, fp8) moves those bytes per replica, in pieces of its
+    bucket size; a delta is relayed once patched (whole), as `scenario` models it."""
     rows = measured["rows"]
     cal = calibrate(measured)
+    form, nbytes = run_form(measured), run_bytes(measured)
     parts = measured.get("tp") or 1  # a replica's tensor-parallel ranks: their slices, relayed once whole
     out = []
     for row in rows:
         s = Scenario(
             replicas=row["replicas"],
-            nbytes=measured["size_bytes"],
+            nbytes=nbytes,
             bucket_bytes=measured["bucket_bytes"],
             bandwidth=cal.bandwidth,
             relays=bool(measured.get("relays")),
-            forward=parts == 1,
+            forward=parts == 1 and form not in DELTAS,
             cap=measured.get("cap"),
             origin_cap=measured.get("origin_cap", measured.get("cap")),
             parts=parts,
@@ -176,8 +291,10 @@ def validate(measured: dict[str, Any]) -> list[dict[str, Any]]:
             "simulated_s": round(predicted, 3),
             "error": round(predicted / row["all_serve_s"] - 1, 3),
         }
+        if "form" in measured or "wire_bytes" in measured:
+            result.update(form=form, wire_bytes=nbytes)
         if cal.cpus is not None:
-            per_copy = measured["size_bytes"] * (cal.send_cpu + cal.recv_cpu + cal.verify_cpu)
+            per_copy = nbytes * (cal.send_cpu + cal.recv_cpu + cal.verify_cpu)
             result.update(
                 cpus=cal.cpus,
                 # the CPU the model gives the copies, beside what the run's processes spent
@@ -201,16 +318,18 @@ def plot(rows: list[dict[str, Any]], path: str, p: Params, gbit: float) -> None:
         raise ImportError(f"--plot draws with matplotlib: pip install 'weightpull[plot]' ({exc})") from None
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     colors = {"8b": "tab:blue", "1t": "tab:red"}
-    for key in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == key]
+    for key, form in dict.fromkeys((r["model"], r.get("form")) for r in rows):
+        mine = [r for r in rows if r["model"] == key and r.get("form") == form]
         ns = [r["replicas"] for r in mine]
-        ax.plot(ns, [r["direct_s"] for r in mine], "--", color=colors.get(key), label=f"{MODELS[key].label}: no relays")
+        label = MODELS[key].label if form is None else f"{key} {form}"
+        relayed = "forwarded" if form not in DELTAS else "once patched"
+        ax.plot(ns, [r["direct_s"] for r in mine], "--", color=colors.get(key), label=f"{label}: no relays")
         ax.plot(
             ns,
             [r["relays_s"] for r in mine],
             "-o",
             color=colors.get(key),
-            label=f"{key}: relays (cap {p.cap}, forwarded)",
+            label=f"{key if form is None else label}: relays (cap {p.cap}, {relayed})",
         )
     for i, (label, n, seconds) in enumerate(PUBLISHED):
         if n is None:
@@ -280,6 +399,24 @@ def _positive(text: str) -> float:
     return value
 
 
+def _forms(text: str) -> tuple[str, ...]:
+    forms = tuple(dict.fromkeys(FORMS if text == "all" else text.split(",")))
+    bad = [f for f in forms if f not in FORMS]
+    if bad or not forms:
+        raise argparse.ArgumentTypeError(f"forms are comma-separated of {', '.join(FORMS)}, or all; got {text!r}")
+    return forms
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of the bf16 bytes in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of the bf16 bytes in (0, 1], got {text!r}")
+    return value
+
+
 def _cap(text: str) -> int:
     try:
         value = int(text)
@@ -298,7 +435,8 @@ def add_parser(sub: Any) -> None:
         "relays, every replica that holds the version serve it; each host's link is shared by its readers; "
         "buckets are forwarded as they arrive; sources are chosen by the registry's policy "
         "(weightpull.sources). Prints the time until every replica serves the 8B and 1T models for each N, "
-        "without relays (all read the trainer) and with; CPUs never bind (real hosts have their own). "
+        "without relays (all read the trainer) and with; CPUs never bind (real hosts have their own); with --form, "
+        "versions published whole or as deltas, in bf16 or fp8, beside the 1T goals. "
         "Validate it against a measured run with --measured (docs/guides/fanout.md).",
     )
     p.add_argument("--model", choices=(*MODELS, "both"), default="both", help="the model (default: both)")
@@ -307,6 +445,27 @@ def add_parser(sub: Any) -> None:
         type=_replicas,
         default=DEFAULT_REPLICAS,
         help="comma-separated replica counts (default: 1,3,10,30,100,300,1000,3000,10000)",
+    )
+    p.add_argument(
+        "--form",
+        type=_forms,
+        metavar="FORM[,FORM...]",
+        help="how each version is published, comma-separated or all: full (bf16), delta (bf16, read by replicas "
+        "holding the base), fp8 (block fp8 with scales), fp8-delta; prints the 1T goals beside them "
+        "(default: each model as its preset counts it, 8B bf16 and 1T fp8, no goals)",
+    )
+    p.add_argument(
+        "--delta-fraction",
+        type=_fraction,
+        metavar="F",
+        help=f"a delta's bytes as a share of the version's bf16 bytes (default: {DELTA_FRACTION}, measured: "
+        "docs/guides/bytes.md)",
+    )
+    p.add_argument(
+        "--fp8-delta-fraction",
+        type=_fraction,
+        metavar="F",
+        help=f"an fp8 delta's bytes as a share of the version's bf16 bytes (default: {FP8_DELTA_FRACTION}, measured)",
     )
     p.add_argument("--gbit", type=_positive, default=400.0, help="each host's link, Gbit/s (default: 400)")
     p.add_argument(
@@ -334,7 +493,7 @@ def add_parser(sub: Any) -> None:
         metavar="FILE",
         help="a `bench fanout --json` result: each of its runs beside the model calibrated on that run's "
         "one-replica row (its link and, where measured, its CPU per byte, all hosts sharing the run's cores), "
-        "with each row's error",
+        "with each row's error; a run that says its form and wire_bytes (a delta, fp8) moves those bytes per replica",
     )
     p.add_argument("--plot", metavar="PNG", help="draw the prediction beside published figures (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON object, the last line of stdout")
@@ -351,7 +510,12 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"validation": checked}))  # each run's rows, by its name
             return 0
         for name, rows in checked.items():
-            print(f"{name}: the model calibrated on the one-replica row alone")
+            form = (
+                f" ({rows[0]['form']}, {rows[0]['wire_bytes'] / 2**20:.2f} MiB a replica)"
+                if rows and "wire_bytes" in rows[0]
+                else ""
+            )
+            print(f"{name}{form}: the model calibrated on the one-replica row alone")
             print("replicas  measured s  simulated s   error  cpu demand s  cpu measured s  enough cpus s")
             for r in rows:
                 cpu = (
@@ -363,6 +527,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.efficiency > 1:
         raise InvalidArgumentError(f"--efficiency is a share of the link, at most 1, got {args.efficiency}")
+    forms = args.form
+    for option, value, form in (
+        ("--delta-fraction", args.delta_fraction, "delta"),
+        ("--fp8-delta-fraction", args.fp8_delta_fraction, "fp8-delta"),
+    ):
+        if value is not None and form not in (forms or ()):
+            raise InvalidArgumentError(f"{option} applies to --form {form}, which was not asked for")
+    fractions = Fractions(
+        delta=args.delta_fraction or DELTA_FRACTION, fp8_delta=args.fp8_delta_fraction or FP8_DELTA_FRACTION
+    )
     params = Params(
         bandwidth=args.gbit * 1e9 / 8 * args.efficiency,
         latency=args.latency_us * 1e-6,
@@ -373,21 +547,46 @@ def run(args: argparse.Namespace) -> int:
         failures=tuple(args.fail),
     )
     models = list(MODELS) if args.model == "both" else [args.model]
-    rows = predict(models, args.replicas, params)
+    rows = predict(models, args.replicas, params, forms, fractions)
+    met = goals(rows, params, fractions) if forms and "1t" in models else []
     if args.plot:
         plot(rows, args.plot, params, args.gbit)
     if args.json:
-        print(json.dumps({"gbit": args.gbit, "cap": args.cap, "rows": rows}))
+        out: dict[str, Any] = {"gbit": args.gbit, "cap": args.cap, "rows": rows}
+        if forms:
+            out.update(fractions=attrs.asdict(fractions), goals=met)
+        print(json.dumps(out))
         return 0
     print(
         f"{args.gbit:g} Gbit/s per host x {args.efficiency:g}, {args.latency_us:g} us per read, "
         f"{args.overhead_us:g} us per bucket; relays: cap {args.cap}, buckets forwarded as they arrive"
+        + ("; deltas relayed once patched (whole)" if forms and set(forms) & set(DELTAS) else "")
     )
-    print("model  replicas  one alone s  no relays s  relays s  hops")
-    for r in rows:
+    if forms:
+        fp8 = ", ".join(f"{MODELS[k].fp8_fraction:g} ({k})" for k in models)
         print(
-            f"{r['model']:5}  {r['replicas']:8d}  {r['one_s']:11.3f}  {r['direct_s']:11.3f}  "
+            f"wire bytes a replica reads, of the version's bf16 bytes: fp8 {fp8}; delta {fractions.delta:g}; "
+            f"fp8-delta {fractions.fp8_delta:g} (docs/guides/bytes.md)"
+        )
+        print("model  form       wire GB  replicas  one alone s  no relays s  relays s  hops")
+    else:
+        print("model  replicas  one alone s  no relays s  relays s  hops")
+    for r in rows:
+        form = f"{r['form']:9}  {r['wire_bytes'] / 1e9:7.2f}  " if forms else ""
+        print(
+            f"{r['model']:5}  {form}{r['replicas']:8d}  {r['one_s']:11.3f}  {r['direct_s']:11.3f}  "
             f"{r['relays_s']:8.3f}  {r['relay_hops']:4d}"
+        )
+    if met:
+        print(
+            f"1T goals (issue [bytes], at 400 Gbit/s per host; this run: {args.gbit:g} Gbit/s, relays cap {args.cap}):"
+        )
+        for g in met:
+            verdict = "met" if g["met"] else "NOT met"
+            print(f"  {g['form']:9}  to {g['to']:15}  {g['s']:7.3f} s  goal <= {g['goal_s']:g} s  {verdict}")
+        print(
+            "  bytes and reads only: left out, a delta's patch and the check of the whole version after it "
+            "(~14 GB/s a core, docs/guides/bytes.md), which a relay of a delta waits for before it serves"
         )
     if args.plot:
         print(f"plot: {args.plot}")

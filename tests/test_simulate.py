@@ -238,3 +238,16 @@ def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
     if not relays and not failures and live:
         assert out.all_serve_s >= n * alone - 1e-9  # the trainer's link carried every copy
     assert out.max_hops <= n
+
+
+def test_a_delta_section_costs_its_bytes_when_large_and_its_reads_when_tiny():
+    # a delta is read as a section in pieces of the bucket size: the same bucket costs, fewer bytes
+    full = Scenario(replicas=1, **BASE)
+    quarter = Scenario(replicas=1, **{**BASE, "nbytes": 16 * MiB})  # 2 pieces
+    assert one_read_s(quarter) == pytest.approx(T_BYTES / 4 + 2 * 0.003)
+    assert simulate(quarter).all_serve_s / simulate(full).all_serve_s == pytest.approx(0.25, abs=0.03)
+    tiny = Scenario(replicas=1, **{**BASE, "nbytes": 1024})  # one piece: its read and bucket costs dominate
+    assert simulate(tiny).all_serve_s == pytest.approx(0.003, rel=0.01)
+    # relayed once whole (a patched relay offers its copy at once): each round costs a whole read
+    relayed = simulate(Scenario(replicas=3, relays=True, cap=1, forward=False, **{**BASE, "nbytes": 1024}))
+    assert relayed.all_serve_s == pytest.approx(2 * 0.003, rel=0.01) and relayed.max_hops == 2

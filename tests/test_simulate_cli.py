@@ -7,6 +7,9 @@ import json
 import pytest
 
 from weightpull.integrations.cli import _old_bench_spelling, main, parser
+from weightpull.simulate import simulate
+
+MiB = 1 << 20
 
 
 def run(capsys, *argv):
@@ -173,3 +176,124 @@ def test_bench_fanout_prints_each_run_beside_the_links_limit_and_their_ratio():
 def test_bench_fanout_bounds_its_ranks(capsys, argv):
     status, _, err = run(capsys, "bench", "fanout", *argv)
     assert status == 2 and "--tp must be in [1, 4]" in err
+
+
+# -- forms: whole or delta, bf16 or fp8 ---------------------------------------------------------
+
+
+def test_each_form_moves_its_measured_share_of_the_bf16_bytes():
+    from weightpull.integrations.simulate import MODELS, Fractions, wire_bytes
+
+    b8, t1 = MODELS["8b"], MODELS["1t"]
+    assert wire_bytes(b8, "full") == b8.nbytes == 16_400_000_000  # the presets as they were
+    assert wire_bytes(t1, "fp8") == t1.nbytes == 1_000_000_000_000
+    assert wire_bytes(t1, "full") == 2_000_000_000_000
+    assert wire_bytes(b8, "fp8") == round(16.4e9 * 0.576)  # docs/guides/bytes.md: fp8 with its scales
+    assert wire_bytes(b8, "delta") == round(16.4e9 * 0.0381)  # sparse16, one RL step
+    assert wire_bytes(t1, "fp8-delta") == round(2e12 * 0.0142)
+    assert wire_bytes(t1, "delta", Fractions(delta=0.05)) == round(2e12 * 0.05)
+
+
+def _times(form, fraction=None, replicas=1):
+    from weightpull.integrations.simulate import Fractions, Model, Params, one_read_s, scenario
+
+    model = Model("test", 1 << 30, 1, 64 * MiB)
+    p = Params(bandwidth=1e9)  # 10 us a read, 100 us a bucket
+    fractions = Fractions(delta=fraction) if fraction else Fractions()
+    s = scenario(model, replicas, p, relays=replicas > 1, form=form, fractions=fractions)
+    return s, (one_read_s(s) if replicas == 1 else simulate(s).all_serve_s)
+
+
+def test_a_delta_is_faster_in_proportion_where_bytes_dominate_and_per_read_costs_dominate_when_tiny():
+    full_s, full = _times("full")
+    assert full == pytest.approx((1 << 30) / 1e9 + 16 * 110e-6)
+    big, delta = _times("delta", 0.25)
+    assert len(big.buckets) == 4 and delta / full == pytest.approx(0.25, rel=0.01)  # bytes dominate
+    tiny, delta = _times("delta", 1e-6)  # 1074 bytes: one piece
+    assert len(tiny.buckets) == 1 and delta == pytest.approx(110e-6, rel=0.02)  # its read and bucket dominate
+    _, fp8 = _times("fp8")
+    assert fp8 / full == pytest.approx(0.576, rel=0.01)  # fp8 scales the bytes
+    # relays: a whole version is forwarded bucket by bucket, a delta relayed once patched
+    assert full_s.forward and not tiny.forward
+    relayed, three = _times("delta", 1e-6, replicas=3)
+    assert three == pytest.approx(2 * 110e-6, rel=0.05)  # trainer -> r1, then trainer -> r2 and r1 -> r3
+
+
+def test_simulate_by_form_prints_the_1t_goals_met_or_not(capsys, monkeypatch):
+    from weightpull.integrations import simulate as sim
+
+    monkeypatch.setattr(sim, "GOALS", ((1, "128 GPUs", 1.0), (10, "10 replicas", 1.5)))  # 10,000 takes long
+    status, out, _ = run(capsys, "simulate", "--model", "1t", "--replicas", "1,10", "--form", "fp8,fp8-delta")
+    assert status == 0
+    lines = out.splitlines()
+    assert "fp8-delta 0.0142" in lines[1]
+    fp8_one = next(line.split() for line in lines if line.split()[:4] == ["1t", "fp8", "1000.00", "1"])
+    assert fp8_one[4] == "1.351"  # as the preset's default row
+    goals = [line.split() for line in lines if line.startswith("  fp8")]
+    assert goals[0][:4] == ["fp8", "to", "128", "GPUs"] and goals[0][-2:] == ["NOT", "met"]
+    assert goals[2][0] == "fp8-delta" and goals[2][-1] == "met" and goals[2][-2] != "NOT"
+    assert any("left out" in line for line in lines)
+    status, out, _ = run(capsys, "simulate", "--model", "1t", "--replicas", "1", "--form", "delta", "--json")
+    result = json.loads(out.splitlines()[-1])
+    assert result["rows"][0]["form"] == "delta" and result["rows"][0]["wire_bytes"] == round(2e12 * 0.0381)
+    one, ten = result["goals"]  # 10 replicas, not among the rows, simulated for the goal
+    assert one["s"] == pytest.approx(result["rows"][0]["one_s"]) and one["met"]
+    assert ten["replicas"] == 10 and one["s"] < ten["s"] <= 1.5 and ten["met"]
+
+
+def test_the_default_rows_are_as_before_forms(capsys):
+    status, out, _ = run(capsys, "simulate", "--model", "1t", "--replicas", "1", "--json")
+    result = json.loads(out.splitlines()[-1])
+    assert set(result) == {"gbit", "cap", "rows"} and "form" not in result["rows"][0]
+    assert result["rows"][0]["one_s"] == pytest.approx(1.351, abs=0.001)
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--form", "delta", "--delta-fraction", "0"], "--delta-fraction"),
+        (["--form", "delta", "--delta-fraction", "1.5"], "--delta-fraction"),
+        (["--form", "delta", "--delta-fraction", "-0.1"], "--delta-fraction"),
+        (["--form", "delta", "--delta-fraction", "some"], "--delta-fraction"),
+        (["--form", "fp8-delta", "--fp8-delta-fraction", "0"], "--fp8-delta-fraction"),
+        (["--form", "fp16"], "--form"),
+        (["--form", "full,"], "--form"),
+    ],
+)
+def test_bad_forms_and_fractions_are_usage_errors_naming_the_option(capsys, argv, option):
+    status, _, err = run(capsys, "simulate", "--replicas", "1", *argv)
+    assert status == 2 and err.startswith(f"error: argument {option}")
+
+
+def test_a_delta_fraction_without_its_form_is_refused(capsys):
+    status, _, err = run(capsys, "simulate", "--replicas", "1", "--form", "full", "--delta-fraction", "0.05")
+    assert status == 2 and "--delta-fraction applies to --form delta" in err
+
+
+def test_a_measured_run_of_deltas_is_modelled_by_its_wire_bytes_and_relayed_whole(capsys, tmp_path):
+    # a delta of 8 MiB (8 pieces of 1 MiB) of a 256 MiB version: one replica 0.1 s; relayed
+    # with cap 1, r1 reads the trainer, then r2 the trainer and r3 r1, once r1 patched: 0.2 s
+    from weightpull.integrations.simulate import calibrate
+
+    one = {"replicas": 1, "all_serve_s": 0.1}
+    run_ = {"size_bytes": 256 << 20, "bucket_bytes": 1 << 20, "relays": True, "cap": 1, "origin_cap": 1}
+    delta = {**run_, "form": "delta", "wire_bytes": 8 << 20, "rows": [one, {"replicas": 3, "all_serve_s": 0.25}]}
+    assert calibrate(delta).bandwidth == pytest.approx((8 << 20) / 0.1)
+    assert calibrate({**delta, "form": None, "wire_bytes": None}).bandwidth == pytest.approx((256 << 20) / 0.1)
+    rows = validated(capsys, tmp_path, delta)
+    assert rows[3]["simulated_s"] == pytest.approx(0.2, abs=0.001)
+    assert rows[3]["form"] == "delta" and rows[3]["wire_bytes"] == 8 << 20
+    assert rows[3]["error"] == pytest.approx(0.2 / 0.25 - 1, abs=0.001)
+    # the same bytes published whole (fp8, say) are forwarded as they arrive: a pipeline, not two rounds
+    whole = validated(capsys, tmp_path, {**delta, "form": "fp8"})
+    assert whole[3]["simulated_s"] < 0.15 and whole[3]["form"] == "fp8"
+    before = validated(capsys, tmp_path, {**run_, "rows": delta["rows"]})  # no form: as before
+    assert "form" not in before[3] and before[3]["simulated_s"] < 0.15
+
+
+def test_a_measured_run_of_an_unknown_form_is_refused(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    run_ = {"size_bytes": 1 << 20, "bucket_bytes": 1 << 20, "form": "int4", "rows": [{"replicas": 1, "all_serve_s": 1}]}
+    path.write_text(json.dumps(run_))
+    status, _, err = run(capsys, "simulate", "--measured", str(path))
+    assert status == 2 and "form is one of full, delta, fp8, fp8-delta, got 'int4'" in err
