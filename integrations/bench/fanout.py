@@ -39,12 +39,26 @@ whole; its readers check the slice's digests (of the kind `digest` names). A rep
 serves once its last rank holds its slice. Each slice is then checked against an oracle
 (numpy indexing of the model's tensors, made again from their seed in each rank).
 
+With `form` (`--form`), the version timed is one of `FORMS`: "full" is the above; the
+others are a Qwen3-shaped model of about the size asked for, in bf16 valued as trained
+weights are, whose next version moves `changed` of its elements by one unit at random
+places (as `bench delta` changes them, at the share it measured an RL step to change).
+"delta" publishes that version with its delta (`Publisher(deltas=True)`, whole publishes),
+"fp8" in block fp8 whole, "fp8-delta" in block fp8 with its delta against the fp8 base.
+For the delta forms each replica first pulls the base, off the clock (relays offering it
+on), and is ready once it holds it; then the trainer publishes the next version and they
+go: each `Puller` reads the delta section alone and patches its base (a relay's readers
+read the section from the relay). Each replica counts the bytes it read for the version
+timed (`wire_bytes`), says whether it patched, and its copy is checked tensor by tensor
+against the digests of the form's own cast, made in the trainer apart from its publish.
+
 Each process is this module run with `python -m` inside its namespace, spoken to by JSON
 lines on its stdin and stdout.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -70,6 +84,8 @@ MiB = 1 << 20
 DEFAULT_SIZE = 256 * MiB
 DEFAULT_BUCKET = 16 * MiB
 _START_TIMEOUT_S = 120.0
+_WARM_TIMEOUT_S = 600.0  # a replica of a delta form is ready once it pulled the base: every replica's, shared links
+_PUBLISH_TIMEOUT_S = 300.0  # a publish of the forms: fp8's cast on the CPU, a delta's encode, the oracle's digests
 MAX_REPLICAS = 16  # hosts.MAX_HOSTS less the trainer's
 # How often the trainer and each relay poll NIXL for their readers (UCX's tcp emulation
 # needs the owner's progress): every 5 ms, not the driver's 1 ms, spent 6% less CPU in a
@@ -89,6 +105,19 @@ _SLICE_STALL_S = 120.0
 SEED = 33  # the model's tensors with `tp` (tp.tensors): every rank makes them again to check its slice
 MAX_TP = 4  # ranks per replica: each a process, all sharing this machine's cores
 MAX_PULLERS = 32  # replicas x ranks: the processes the bench starts at most
+TP_FORMS_UNSUPPORTED = (
+    "not supported: a SlicePuller reads its slice of the version's own bytes, never a delta section, and an fp8 "
+    "version's scales are blocks a rank's rows would split (use --form full with --tp)"
+)
+# The forms a version can take (`--form`): whole bf16 (random bytes, as the bench always
+# moved), its delta against the version before, the version in block fp8, and the delta of
+# that against the fp8 version before.
+FORMS = ("full", "delta", "fp8", "fp8-delta")
+DELTA_FORMS = ("delta", "fp8-delta")  # their replicas pull the base first (off the clock), then patch
+# The share of bf16 elements one RL step changes: `bench delta`'s small Qwen3 at lr 1e-6,
+# lag 1, 1.90% (1.40-3.02%) (docs/guides/bytes.md)
+DEFAULT_CHANGED = 0.019
+MODEL_SEED = 34  # the model's weights in the forms but full; the next version's changes from MODEL_SEED + 1
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -119,6 +148,9 @@ async def _trainer(cfg: dict[str, Any]) -> None:
 
     from .pull import BenchConfig, _tensors, content, digest
 
+    if cfg.get("form", "full") != "full":
+        await _form_trainer(cfg)
+        return
     if cfg.get("shapes"):  # a model's tensors, which tensor-parallel ranks slice
         specs = [TensorSpec(name, "bfloat16", shape) for name, shape in cfg["shapes"]]
         tensors: dict[str, Any] = {
@@ -152,6 +184,118 @@ async def _trainer(cfg: dict[str, Any]) -> None:
                     _say(published=result.manifest.version)
                 elif message.get("cpu"):
                     _say(cpu=time.process_time())  # the bench takes the difference around each run
+                else:
+                    break
+            tg.cancel_scope.cancel()
+        await publisher.aclose()
+        await publisher.transport.aclose()
+
+
+def model_words(shapes: Sequence[tuple[str, Sequence[int]]], seed: int) -> dict[str, Any]:
+    """A Qwen3-shaped model's bf16 words (uint16 numpy arrays), valued as trained weights
+    are: each matrix normal with deviation 0.02, each norm 1.0 (random bits would make
+    NaNs, and no fp8 cast of them a checkpoint's)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes:
+        if len(shape) < 2:
+            out[name] = np.full(tuple(shape), 0x3F80, dtype=np.uint16)  # 1.0
+            continue
+        bits = (rng.standard_normal(tuple(shape), dtype=np.float32) * np.float32(0.02)).view(np.uint32)
+        out[name] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # rounded to nearest even
+    return out
+
+
+def next_words(words: dict[str, Any], changed: float, seed: int) -> dict[str, Any]:
+    """The next version of `words`: each element, with probability `changed`, moved by one
+    unit in the last place (its low bit flipped), at random places, as `bench delta`
+    changes bf16 words (`delta.speed`), at the share of elements it measured an RL step to
+    change."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return {n: w ^ (rng.random(w.shape, dtype=np.float32) < changed).astype(np.uint16) for n, w in words.items()}
+
+
+async def _form_trainer(cfg: dict[str, Any]) -> None:
+    """The trainer of a version in `cfg["form"]` other than full: a Qwen3-shaped model
+    (`model_words`), its versions alternating the base and the next (`next_words`), in bf16
+    or block fp8 (`weightpull.integrations.fp8`), published with deltas for the delta forms
+    (`Publisher(deltas=True)`, which needs whole publishes). With `oracle`, it also says
+    each published tensor's digest, made apart from the publisher's copy: the bytes the
+    form's own cast gives, which each replica's copy must equal."""
+    import numpy as np
+    import torch
+
+    from weightpull.integrations import fp8
+    from weightpull.layout import TensorSpec
+    from weightpull.publisher import Publisher
+    from weightpull.transports import create_transport
+
+    from .pull import digest
+
+    form = cfg["form"]
+    quantized, deltas = form.startswith("fp8"), form in DELTA_FORMS
+    shapes = [(name, tuple(shape)) for name, shape in cfg["model_shapes"]]
+    versions = [model_words(shapes, MODEL_SEED)]
+    versions.append(next_words(versions[0], cfg["changed"], MODEL_SEED + 1))
+
+    def bf16(words: dict[str, Any]) -> dict[str, Any]:
+        return {n: torch.from_numpy(w.view(np.int16)).view(torch.bfloat16) for n, w in words.items()}
+
+    def tensors(words: dict[str, Any]) -> Any:
+        return fp8.expand(bf16(words)) if quantized else bf16(words)
+
+    def oracle(words: dict[str, Any]) -> dict[str, str]:
+        out = {}
+        for name, t in bf16(words).items():
+            if quantized and fp8.quantizes(name, tuple(t.shape)):
+                q, scale = fp8.quantize(t)
+                out[name] = digest(q.view(torch.uint8).numpy())
+                out[name + fp8.SCALE_SUFFIX] = digest(scale.view(torch.uint8).numpy())
+            else:
+                out[name] = digest(words[name])
+        return out
+
+    specs = [TensorSpec(name, "bfloat16", shape) for name, shape in shapes]
+    async with _connect(cfg) as registry:
+        publisher = Publisher(
+            registry,
+            create_transport("nixl", progress_interval=cfg["progress_s"]),
+            rollout_dtype=None,
+            bucket_bytes=cfg["bucket"],
+            name="trainer",
+            stream=not deltas,  # a delta is encoded once the whole version landed
+            digests=cfg["digest"],
+            deltas=deltas,
+        )
+        await publisher.reserve(fp8.specs(specs, None) if quantized else specs)
+        _say(ready=True, digest=None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publisher.serve)
+            while message := await _line():
+                if "publish" in message:
+                    words = versions[1 if message.get("next") else 0]
+                    started = time.perf_counter()
+                    result = await publisher.publish(message["publish"], tensors(words))
+                    publish_s = time.perf_counter() - started
+                    manifest = result.manifest
+                    assert manifest is not None
+                    delta = manifest.delta
+                    _say(
+                        published=manifest.version,
+                        bytes=manifest.layout.total_bytes,
+                        delta_bytes=None if delta is None else delta.nbytes,
+                        delta_base=None if delta is None else delta.base,
+                        changed_words=None if delta is None else delta.changed,
+                        word=None if delta is None else delta.word,
+                        publish_s=round(publish_s, 3),
+                        oracle=await anyio.to_thread.run_sync(oracle, words) if message.get("oracle") else None,
+                    )
+                elif message.get("cpu"):
+                    _say(cpu=time.process_time())
                 else:
                     break
             tg.cancel_scope.cancel()
@@ -273,7 +417,9 @@ def slice_check_cpu(pulled: Any, digest_kind: str) -> float:
 
 async def _replica(cfg: dict[str, Any]) -> None:
     """A whole replica (a `Puller`), or with `tp` one tensor-parallel rank of one (a
-    `SlicePuller`), in its host's namespace."""
+    `SlicePuller`), in its host's namespace. With `warm` (the delta forms) it first pulls
+    the version the trainer holds (the base), off the clock, serving it on as a relay, and
+    says it is ready once it holds it."""
     from weightpull.errors import NoSourceError
     from weightpull.transports import create_transport
 
@@ -284,6 +430,19 @@ async def _replica(cfg: dict[str, Any]) -> None:
     relay, sliced = bool(cfg["relays"]), bool(cfg.get("tp"))
     transport = create_transport("nixl", progress_interval=cfg["progress_s"])
     transport.agent  # noqa: B018  (made now, ~0.4 s, not on the clock)
+    wire = [0]  # the bytes this process read (every read of its puller, from any source)
+    read, read_2d_many = transport.read, transport.read_2d_many
+
+    async def counting(remote: Any, remote_offset: int, local: Any, local_offset: int, nbytes: int) -> None:
+        wire[0] += nbytes
+        await read(remote, remote_offset, local, local_offset, nbytes)
+
+    async def counting_2d(reads: Sequence[Any]) -> None:
+        wire[0] += sum(r[6] * r[7] for r in reads)  # width x height
+        await read_2d_many(reads)
+
+    setattr(transport, "read", counting)  # noqa: B010  (observed only; read_many calls it)
+    setattr(transport, "read_2d_many", counting_2d)  # noqa: B010  (observed only)
     async with _connect(cfg) as registry:
         puller = (_slice_puller if sliced else _whole_puller)(cfg, registry, transport)
         await puller.prepare()  # its mirror made and touched, the trainer's slots mapped: not on the clock
@@ -304,23 +463,27 @@ async def _replica(cfg: dict[str, Any]) -> None:
             return await offer(*args, **kwargs)
 
         setattr(registry, "offer", offering)  # noqa: B010  (observed only)
-        _say(ready=True)
-        await _line()  # go
-        cpu0 = time.process_time()  # every thread of this process, user and system
+        cpu0 = 0.0
         pulled: Any = None
 
-        async def pull() -> None:
-            nonlocal pulled
-            start, refused = time.time(), 0
-            while pulled is None:
+        async def fetch() -> tuple[Any, int]:
+            """A pull, asked again while every source is full: (the copy, how often refused)."""
+            refused = 0
+            while True:
                 try:
-                    pulled = await puller.pull()
+                    return await puller.pull(), refused
                 except NoSourceError:  # every source is full: ask again soon
                     refused += 1
                     await anyio.sleep(ASK_AGAIN_S)
-                except Exception as exc:  # the bench stops at once, naming it (this process then serves on)
-                    _say(error=f"{type(exc).__name__}: {exc}")
-                    return
+
+        async def pull() -> None:
+            nonlocal pulled
+            start = time.time()
+            try:
+                pulled, refused = await fetch()
+            except Exception as exc:  # the bench stops at once, naming it (this process then serves on)
+                _say(error=f"{type(exc).__name__}: {exc}")
+                return
             end = time.time()
             handed, source = placed[-1]
             first = offered[0] if offered else None  # a relay's: its first offer
@@ -332,6 +495,9 @@ async def _replica(cfg: dict[str, Any]) -> None:
                 handed=handed,
                 first=first,
                 refused=refused,
+                wire=wire[0],  # the bytes it read for this version
+                patched=getattr(pulled, "base", None) is not None,  # from its delta, on the base it held
+                checked=pulled.manifest.digests is not None if not sliced else True,
             )  # the copy is checked once all ended
 
         async def listen() -> None:
@@ -346,6 +512,8 @@ async def _replica(cfg: dict[str, Any]) -> None:
                         if message.get("verify"):
                             said["verify_cpu_s"] = verify_cpu(pulled.region, pulled.manifest)
                         said["digest"] = digest(pulled.region.host_view()[: pulled.nbytes])
+                        if cfg.get("form", "full") != "full":  # each tensor, for the oracle's
+                            said["tensors"] = {s.name: digest(pulled.view(s.name)) for s in pulled.layout.specs}
                     _say(**said)
                 if message.get("stop"):
                     break
@@ -354,6 +522,19 @@ async def _replica(cfg: dict[str, Any]) -> None:
         async with anyio.create_task_group() as tg:
             if relay:  # its readers' reads need this process's progress (a direct reader has none)
                 tg.start_soon(transport.serve)
+            if cfg.get("warm"):  # the base, off the clock (a relay offers it on while others pull it)
+                try:
+                    await fetch()
+                except Exception as exc:
+                    _say(error=f"{type(exc).__name__}: {exc}")
+                    tg.cancel_scope.cancel()
+                    return
+                placed.clear()
+                offered.clear()
+            wire[0] = 0
+            _say(ready=True)
+            await _line()  # go
+            cpu0 = time.process_time()  # every thread of this process, user and system
             tg.start_soon(pull)
             tg.start_soon(listen)  # serves until told to stop, its own pull long done
         await puller.aclose()
@@ -515,15 +696,25 @@ def _hops(sources: dict[int, str], names: list[str]) -> list[int]:
 
 
 def _one_run(
-    procs: list[_Proc], names: list[str], trainer: _Proc, registry: _Registry, timeout: float, *, verify: int = 0
+    procs: list[_Proc],
+    names: list[str],
+    trainer: _Proc,
+    registry: _Registry,
+    timeout: float,
+    *,
+    verify: int = 0,
+    before_go: Callable[[], None] = lambda: None,
 ) -> _Ran:
     """Tell every puller (a replica, or a rank) to go, and wait until each pulled the
     version; around it, the CPU seconds each process, the registry and the machine spent.
-    `verify`: the first so many pullers (the first replica's) also measure their check."""
+    `verify`: the first so many pullers (the first replica's) also measure their check.
+    `before_go`: called once every puller is ready (the delta forms: each holds the base),
+    before they go (there: the trainer publishes the version they pull)."""
     import selectors
 
     for p in procs:
-        p.expect("ready")
+        p.expect("ready", timeout=_WARM_TIMEOUT_S)
+    before_go()
     trainer.send(cpu=True)
     trainer_cpu = trainer.expect("cpu")["cpu"]
     registry_cpu = registry.cpu_s()
@@ -586,6 +777,8 @@ def run_fanout(
     progress_s: float = DEFAULT_PROGRESS_S,
     digest: str = DEFAULT_DIGEST,
     tp: int | None = None,
+    form: str = "full",
+    changed: float = DEFAULT_CHANGED,
     say: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """For each N in `replicas`: the time until N replicas, told to go at once, all hold a
@@ -605,7 +798,19 @@ def run_fanout(
     relay_cap=cap`), its readers checking the slice's digests (of the kind `digest`
     names); the trainer's slot then takes `cap * tp` readers at once, as many bytes as
     `cap` whole readers. Each rank's slice is checked against an oracle of the model's
-    tensors (`tensor_parallel.expected`), and the same rank of every replica must hold the same bytes."""
+    tensors (`tensor_parallel.expected`), and the same rank of every replica must hold the same bytes.
+
+    `form` is what the timed version is (`FORMS`): "full", the version whole (random
+    bytes, as ever); or, of a Qwen3-shaped model of about `size` bytes in bf16 valued as
+    trained weights are (`model_words`), whose next version changes `changed` of its
+    elements by one unit (`next_words`): "delta", the next version published with its
+    delta (`Publisher(deltas=True)`, whole publishes) to replicas that pulled the base
+    first, off the clock (whose `Puller`s patch it: the relays too, serving the delta of
+    what they hold); "fp8", the next version whole in block fp8
+    (`weightpull.integrations.fp8`); "fp8-delta", the delta of that against the fp8 base,
+    pulled as "delta" is. Every copy of those is checked tensor by tensor against an oracle
+    (the digests of the form's own cast, made in the trainer apart from its publish). Each
+    row says the bytes each replica read (`wire_bytes`) and whether it patched."""
     if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas):
         raise InvalidArgumentError(f"replicas must be positive ints, got {list(replicas)!r}")
     if size <= 0 or bucket <= 0:
@@ -614,6 +819,12 @@ def run_fanout(
         raise InvalidArgumentError(f"digest must be one of {', '.join(KINDS)}, got {digest!r}")
     if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP):
         raise InvalidArgumentError(f"tp must be an int in [1, {MAX_TP}] (ranks per replica), got {tp!r}")
+    if form not in FORMS:
+        raise InvalidArgumentError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    if tp is not None and form != "full":
+        raise InvalidArgumentError(f"form {form!r} with tp: {TP_FORMS_UNSUPPORTED}")
+    if not (isinstance(changed, (int, float)) and 0 < changed < 1):
+        raise InvalidArgumentError(f"changed must be a share of the elements in (0, 1), got {changed!r}")
     most = max(replicas)
     ranks = tp or 1
     names = [f"replica{i + 1}" for i in range(most)]
@@ -624,6 +835,13 @@ def run_fanout(
     if shapes is not None:
         nbytes = sum(2 * math.prod(s) for _, s in shapes)
         model = {"tp": tp, "model_bytes": nbytes, "hidden": shapes[0][1][1], "layers": tensor_parallel.LAYERS}
+    model_shapes = tensor_parallel.scaled(size) if form != "full" else None
+    full_bytes = size  # the full version's: the bytes a whole bf16 copy moves
+    if model_shapes is not None:
+        full_bytes = sum(2 * math.prod(s) for _, s in model_shapes)
+        model = {"model_bytes": full_bytes, "hidden": model_shapes[0][1][1], "layers": tensor_parallel.LAYERS}
+    warm = form in DELTA_FORMS
+    published: list[dict[str, Any]] = []  # what the trainer said of each timed version
     rows = []
     # Left in this order: every process in the hosts stopped (also on SIGINT or SIGTERM),
     # then the hosts deleted.
@@ -636,6 +854,7 @@ def run_fanout(
             f"{most + 1} emulated hosts, links shaped to {rate or 'no limit'}; the trainer on host 0, "
             "the registry on the control network"
             + (f"; {tp} tensor-parallel ranks per replica" if tp is not None else "")
+            + (f"; form {form}" + (f", {changed:.2%} of the elements changed" if form != "full" else ""))
         )
         # with relays the trainer's slot takes `cap` whole readers at once (cap * tp ranks), as every relay does
         origin_cap = cap * ranks if relays and cap is not None else None
@@ -644,11 +863,25 @@ def run_fanout(
         trainer: _Proc | None = None
         try:
             config = {"size": size, "bucket": bucket, "digest": digest, "progress_s": progress_s, "shapes": shapes}
+            config.update(form=form, model_shapes=model_shapes, changed=changed, warm=warm)
             trainer = _Proc(children, hosts, 0, "trainer", {**config, **registry.client("trainer")})
-            want = trainer.expect("ready")["digest"]
+            want: Any = trainer.expect("ready", timeout=_PUBLISH_TIMEOUT_S)["digest"]
+
+            def publish(version: int, *, timed: bool) -> None:
+                """The trainer publishes `version`: the base, or the version timed (for
+                the forms, the next version, with its oracle)."""
+                nonlocal want
+                trainer.send(publish=version, next=timed, oracle=timed and form != "full")
+                said = trainer.expect("published", timeout=_PUBLISH_TIMEOUT_S)
+                if timed and form != "full":
+                    want = said["oracle"]
+                    published.append(said)
+
             for step, n in enumerate(replicas, 1):
-                trainer.send(publish=step)  # a version per step: the last step's relays offer theirs
-                trainer.expect("published")
+                if warm:  # the base, which every replica pulls before it is ready; then the version timed
+                    publish(2 * step - 1, timed=False)
+                else:  # a version per step: the last step's relays offer theirs
+                    publish(step, timed=True)
                 mine = pullers[: n * ranks]
                 procs = [
                     _Proc(
@@ -671,7 +904,13 @@ def run_fanout(
                 ]
                 load = loadavg()
                 ran = _one_run(
-                    procs, [h for _, h in mine], trainer, registry, timeout=600, verify=ranks if n == 1 else 0
+                    procs,
+                    [h for _, h in mine],
+                    trainer,
+                    registry,
+                    timeout=600,
+                    verify=ranks if n == 1 else 0,
+                    before_go=functools.partial(publish, 2 * step, timed=True) if warm else lambda: None,
                 )
                 for p in procs:
                     p.stop()
@@ -679,8 +918,10 @@ def run_fanout(
                 rows.append(_row(n, ranks, ran, want, load))
                 row = rows[-1]
                 say(
-                    f"{n} replicas{' with relays' if relays else ''}: all serve after {row['all_serve_s']:.2f} s "
-                    f"(first {row['first_s']:.2f} s, {row['hops']} hops); CPU: the bench's processes "
+                    f"{n} replicas{' with relays' if relays else ''}{'' if form == 'full' else ', ' + form}: all "
+                    f"serve after {row['all_serve_s']:.2f} s (first {row['first_s']:.2f} s, {row['hops']} hops; "
+                    f"each read {max(row['wire_bytes']) / MiB:.2f} MiB, {sum(row['patched'])} patched, "
+                    f"{'byte-exact' if row['byte_exact'] else 'NOT BYTE-EXACT'}); CPU: the bench's processes "
                     f"{row['procs_cpu_s']:.2f} s (the registry {ran.registry_cpu_s:.2f}), the machine "
                     f"{ran.busy_cpu_s:.2f} s of {os.cpu_count()} cores x {ran.wall_s:.2f} s (load before: {load})"
                 )
@@ -693,7 +934,17 @@ def run_fanout(
     one = rows[0]["all_serve_s"] / rows[0]["replicas"]  # per replica, from the first N
     for row in rows:
         row["vs_one"] = round(row["all_serve_s"] / one, 2)
+    last = published[-1] if published else {}
     return {
+        "form": form,
+        # the bytes a replica read for the version timed (the most any one read, in any row)
+        "wire_bytes": max(b for row in rows for b in row["wire_bytes"]),
+        "full_bytes": full_bytes,  # the full bf16 version's, beside it
+        "version_bytes": last.get("bytes", full_bytes),  # this form's whole version (fp8: its e4m3 and scales)
+        "delta_bytes": last.get("delta_bytes"),  # its delta section, as published (None: none)
+        "changed": changed if form != "full" else None,  # the share of bf16 elements the next version changed
+        "changed_words": last.get("changed_words"),  # the words its delta holds
+        "publish_s": last.get("publish_s"),
         "size_bytes": model.get("model_bytes", size),
         "bucket_bytes": bucket,
         "rate": rate,
@@ -709,14 +960,18 @@ def run_fanout(
     }
 
 
-def _row(n: int, ranks: int, ran: _Ran, want: str | None, load: str) -> dict[str, Any]:
+def _row(n: int, ranks: int, ran: _Ran, want: str | dict[str, str] | None, load: str) -> dict[str, Any]:
     """One step's figures: per replica (a replica's time is its last rank's end, its CPU
-    its ranks' sum) and, where a replica has ranks, per puller."""
+    its ranks' sum) and, where a replica has ranks, per puller. `want`: the trainer's
+    digest of its bytes (full), each tensor's from the oracle (the other forms), or None
+    (slices, checked by each rank)."""
     ends = [d["end"] - ran.go for d in ran.ends]
     per_replica = [max(ends[i * ranks : (i + 1) * ranks]) for i in range(n)]
     cpu = [sum(ran.replica_cpu_s[i * ranks : (i + 1) * ranks]) for i in range(n)]
     pull_cpu = [sum(d["cpu_s"] for d in ran.ends[i * ranks : (i + 1) * ranks]) for i in range(n)]
-    if want is not None:  # whole copies: each equal to the trainer's bytes
+    if isinstance(want, dict):  # the forms: each tensor of each copy equal to the oracle's
+        exact = all(c.get("tensors") == want for c in ran.checks)
+    elif want is not None:  # whole copies: each equal to the trainer's bytes
         exact = all(c["digest"] == want for c in ran.checks)
     else:  # slices: each equal to the oracle's, and the same rank of every replica alike
         same = all(len({c["digest"] for c in ran.checks[r::ranks]}) == 1 for r in range(ranks))
@@ -746,6 +1001,11 @@ def _row(n: int, ranks: int, ran: _Ran, want: str | None, load: str) -> dict[str
         "replica_hops": ran.hops,
         "sources": [d["source"] or "trainer" for d in ran.ends],
         "refused": [d["refused"] for d in ran.ends],  # acquires refused (every source full)
+        # per replica: the bytes it read for this version (its ranks' summed), whether it
+        # patched it from its delta, and whether the publisher's digests were there to check
+        "wire_bytes": [sum(d["wire"] for d in ran.ends[i * ranks : (i + 1) * ranks]) for i in range(n)],
+        "patched": [any(d["patched"] for d in ran.ends[i * ranks : (i + 1) * ranks]) for i in range(n)],
+        "digests_checked": all(d["checked"] for d in ran.ends),
         "cpus": os.cpu_count(),
         "loadavg": load,  # before the run: the machine is shared
     }
@@ -781,7 +1041,10 @@ def add_parser(figures: Any) -> None:
         "`weightpull simulate` predicts from each run's one-replica row (its link and CPU per byte, all hosts "
         "sharing this machine's cores). With --tp, each replica is TP tensor-parallel ranks in its host, each a "
         "SlicePuller of its slice of a Qwen3-shaped model of about SIZE bytes, relayed by the same rank of "
-        "other replicas once whole. Needs root (ip netns), the nixl and service extras (and torch with --tp); "
+        "other replicas once whole. With --form, each form of the version in turn (full; delta, fp8, "
+        "fp8-delta of a Qwen3-shaped model, the delta forms' replicas pulling the base first, off the clock, "
+        "then patching it), each run saying the bytes a replica read per version beside the full version's. "
+        "Needs root (ip netns), the nixl and service extras (and torch with --tp or --form other than full); "
         "it deletes every namespace it made (docs/guides/fanout.md). Also spelled "
         "`weightpull bench --replicas N --hosts emulated`.",
     )
@@ -822,6 +1085,24 @@ def add_parser(figures: Any) -> None:
         help=f"how often the trainer and each relay poll NIXL for their readers' progress, ms "
         f"(default: {DEFAULT_PROGRESS_S * 1e3:g})",
     )
+    p.add_argument(
+        "--form",
+        default="full",
+        help=f"what the version timed is, a comma list of {', '.join(FORMS)}, each measured in turn (default: full): "
+        "full, the version whole (random bytes, as ever); the others a Qwen3-shaped model of about SIZE bytes in "
+        "bf16, its next version changing --changed of its elements: delta, that version's delta against the base "
+        "every replica pulled first, off the clock (Publisher(deltas=True), each Puller patching its base, relays "
+        "serving deltas of what they hold); fp8, the version whole in block fp8 (e4m3, 128x128 scales); fp8-delta, "
+        "the delta of the fp8 version against the fp8 base. Each copy is checked against an oracle, tensor by "
+        "tensor; each run's JSON says its form and the bytes a replica read per version (wire_bytes). Not with --tp",
+    )
+    p.add_argument(
+        "--changed",
+        type=float,
+        default=DEFAULT_CHANGED,
+        help="with --form other than full, the share of bf16 elements the next version changes, each by one unit "
+        f"at random places (default: {DEFAULT_CHANGED}, what `bench delta` measured an RL step at lr 1e-6 to change)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     p.set_defaults(func=run_command)
 
@@ -855,6 +1136,11 @@ def run_command(args: Any) -> int:
             f"--tp must be in [1, {MAX_TP}] with --replicas x --tp at most {MAX_PULLERS} (each rank is a process "
             f"on this machine's {os.cpu_count()} cores), got --tp {args.tp} --replicas {args.replicas}"
         )
+    forms = parse_forms(args.form)
+    if args.tp is not None and forms != ["full"]:
+        raise InvalidArgumentError(f"--form {args.form} with --tp: {TP_FORMS_UNSUPPORTED}")
+    if not 0 < args.changed < 1:
+        raise InvalidArgumentError(f"--changed must be a share of the elements in (0, 1), got {args.changed}")
     transport_class("nixl")  # fails early, naming the missing extra
     size, bucket = parse_size(args.size), parse_size(args.bucket_size)
     say = say_to_stderr("fanout")
@@ -867,10 +1153,24 @@ def run_command(args: Any) -> int:
         tp=args.tp,
         say=say,
     )
-    runs = {"direct": run_fanout(counts(args.replicas), **common)}
-    if not args.no_relays:
-        runs["relays"] = run_fanout(counts(args.replicas), relays=True, cap=args.cap, **common)
+    runs = {}  # "direct" and "relays" for the full form, as ever; "direct-delta", "relays-fp8" ... for the others
+    for form in forms:
+        tag = "" if form == "full" else f"-{form}"
+        extra: dict[str, Any] = {} if form == "full" else {"form": form, "changed": args.changed}
+        runs[f"direct{tag}"] = run_fanout(counts(args.replicas), **common, **extra)
+        if not args.no_relays:
+            runs[f"relays{tag}"] = run_fanout(
+                counts(args.replicas),
+                relays=True,
+                cap=args.cap,
+                **common,
+                **extra,
+            )
     for result in runs.values():
+        if result["form"] != "full":  # the model moves whole versions: its figures are for the full form only
+            for row in result["rows"]:
+                row["simulated_s"] = row["simulated_error"] = row["enough_cpus_s"] = None
+            continue
         simulated = {r["replicas"]: r for r in validate(result)}
         for row in result["rows"]:
             model = simulated[row["replicas"]]
@@ -880,8 +1180,63 @@ def run_command(args: Any) -> int:
     if args.json:
         print(json.dumps(runs))
         return 0 if exact else 1
-    print("\n".join(table(runs, args.cap)))
+    lines = table(runs, args.cap) if "direct" in runs else []
+    if forms != ["full"]:
+        lines += ([""] if lines else []) + forms_table(runs, args.cap)
+    print("\n".join(lines))
     return 0 if exact else 1
+
+
+def parse_forms(text: str) -> list[str]:
+    """`--form`'s comma list, each of `FORMS` once, in the order given."""
+    forms = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in forms if f not in FORMS]
+    if not forms or bad or len(set(forms)) != len(forms):
+        raise InvalidArgumentError(f"--form takes a comma list of {', '.join(FORMS)}, each once, got {text!r}")
+    return forms
+
+
+def forms_table(runs: dict[str, Any], cap: int | None) -> list[str]:
+    """Per form and N: the bytes each replica read for the version (beside the full
+    version's), the time until N serve, directly and with relays, each beside the link's
+    limit for those bytes and their ratio; how many replicas patched the version from its
+    delta; whether every copy was byte-exact against the oracle, its digests checked."""
+    first = next(iter(runs.values()))
+    rate, link = first["rate"], link_bytes_per_s(first["rate"])
+    lines = [
+        f"every link {rate}; wire: the bytes each replica read for the version, beside the full bf16 version's; "
+        "limit: direct, N copies of those bytes through the trainer's link; relays "
+        f"(cap {cap}), one copy through one link; patched: replicas that patched the base they held from the "
+        "delta; exact: every copy byte-exact against the oracle (the form's own cast) and its digests checked",
+        "form         replicas  wire MiB  of full  direct s  limit s  ratio  patched  relays s  limit s  ratio  "
+        "patched  exact",
+    ]
+    forms = dict.fromkeys(r["form"] for r in runs.values())
+    for form in forms:
+        tag = "" if form == "full" else f"-{form}"
+        direct, relayed = runs.get(f"direct{tag}"), runs.get(f"relays{tag}")
+        if direct is None:
+            continue
+        by_n = {r["replicas"]: r for r in relayed["rows"]} if relayed else {}
+        for d in direct["rows"]:
+            n, r = d["replicas"], by_n.get(d["replicas"])
+            wire = max(d["wire_bytes"] + (r["wire_bytes"] if r else []))
+            cells = [f"{form:11}", f"{n:8d}", f"{wire / MiB:8.2f}", f"{wire / direct['full_bytes']:7.2%}"]
+            for row, copies in ((d, n), (r, 1)):
+                if row is None:
+                    cells += [f"{'-':>8}", f"{'-':>7}", f"{'-':>5}", f"{'-':>7}"]
+                    continue
+                limit = copies * max(row["wire_bytes"]) / link if link else None
+                cells += [
+                    f"{row['all_serve_s']:8.2f}",
+                    f"{limit:7.2f}" if limit else f"{'-':>7}",
+                    f"{row['all_serve_s'] / limit:5.2f}" if limit else f"{'-':>5}",
+                    f"{sum(row['patched'])}/{n}".rjust(7),
+                ]
+            ok = all(x["byte_exact"] and x["digests_checked"] for x in (d, r) if x is not None)
+            cells.append("yes" if ok else "NO")
+            lines.append("  ".join(cells))
+    return lines
 
 
 def table(runs: dict[str, Any], cap: int | None) -> list[str]:
