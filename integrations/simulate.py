@@ -566,7 +566,12 @@ def run(args: argparse.Namespace) -> int:
         fp8 = ", ".join(f"{MODELS[k].fp8_fraction:g} ({k})" for k in models)
         print(
             f"wire bytes a replica reads, of the version's bf16 bytes: fp8 {fp8}; delta {fractions.delta:g}; "
-            f"fp8-delta {fractions.fp8_delta:g} (docs/guides/bytes.md)"
+            f"fp8-delta {fractions.fp8_delta:g} "
+            + (
+                "(measured: docs/guides/bytes.md)"
+                if args.delta_fraction is None and args.fp8_delta_fraction is None
+                else "(the deltas' as given)"
+            )
         )
         print("model  form       wire GB  replicas  one alone s  no relays s  relays s  hops")
     else:
