@@ -836,10 +836,10 @@ def run_fanout(
         nbytes = sum(2 * math.prod(s) for _, s in shapes)
         model = {"tp": tp, "model_bytes": nbytes, "hidden": shapes[0][1][1], "layers": tensor_parallel.LAYERS}
     model_shapes = tensor_parallel.scaled(size) if form != "full" else None
-    full_bytes = size  # the full version's: the bytes a whole bf16 copy moves
     if model_shapes is not None:
-        full_bytes = sum(2 * math.prod(s) for _, s in model_shapes)
-        model = {"model_bytes": full_bytes, "hidden": model_shapes[0][1][1], "layers": tensor_parallel.LAYERS}
+        nbytes = sum(2 * math.prod(s) for _, s in model_shapes)
+        model = {"model_bytes": nbytes, "hidden": model_shapes[0][1][1], "layers": tensor_parallel.LAYERS}
+    full_bytes = model.get("model_bytes", size)  # the full version's: the bytes a whole bf16 copy moves
     warm = form in DELTA_FORMS
     published: list[dict[str, Any]] = []  # what the trainer said of each timed version
     rows = []
