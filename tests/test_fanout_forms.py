@@ -9,24 +9,17 @@ every namespace it made is gone afterwards, also when the test body failed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from weightpull.integrations.bench import hosts as hostsmod
-from weightpull.integrations.bench.hosts import namespaces
+
+from .test_hosts import nothing_left_behind  # noqa: F401  (autouse: every namespace a test made, gone after it)
 
 pytestmark = pytest.mark.skipif(hostsmod.unavailable_reason() is not None, reason=str(hostsmod.unavailable_reason()))
 
 SIZE = 16 << 20  # a Qwen3-shaped model of hidden 256: 16 MiB in bf16
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind() -> Iterator[None]:
-    before = set(namespaces())
-    yield
-    assert set(namespaces()) <= before, "a test left namespaces behind"
 
 
 def fp8_share(size: int) -> float:
