@@ -327,7 +327,7 @@ def plot(rows: list[dict[str, Any]], path: str, p: Params, gbit: float) -> None:
         ax.plot(
             ns,
             [r["relays_s"] for r in mine],
-            "-o",
+            "-" + {"delta": "s", "fp8": "^", "fp8-delta": "D"}.get(form or "", "o"),  # a marker per form
             color=colors.get(key),
             label=f"{key if form is None else label}: relays (cap {p.cap}, {relayed})",
         )
