@@ -24,6 +24,7 @@ from .served import SECRET, ServedRegistry, cli, env
 pytestmark = pytest.mark.anyio
 
 TTL = 0.5
+SERVED_TTL = 1.5  # over the wire, on a loaded machine: a beat every TTL/6 must not miss a whole TTL
 LAYOUT = plan_layout([TensorSpec("w", "uint8", (8,))])
 
 
@@ -101,17 +102,17 @@ def _status(served: ServedRegistry, *args: str) -> subprocess.CompletedProcess:
 async def test_weightpull_status_shows_them_as_tables_and_compact_and_watched(tmp_path):
     from weightpull.drivers.zmq_registry.client import ZmqRegistry
 
-    served = ServedRegistry(tmp_path, args=("--liveness-ttl", str(TTL)))
+    served = ServedRegistry(tmp_path, args=("--liveness-ttl", str(SERVED_TTL)))
     served.start()
     try:
         with pytest.warns(DeprecationWarning):
             trainer = ZmqRegistry(served.address, secret=SECRET, heartbeat=None)
-            replica = ZmqRegistry(served.address, secret=SECRET, heartbeat=TTL / 5)
+            replica = ZmqRegistry(served.address, secret=SECRET, heartbeat=SERVED_TTL / 6)
         async with replica:
             await publish(trainer, 3, step=300)
             await replica.report_serving("r0", 3, pull=PullReport(0.25, 1_000_000_000))
             await trainer.aclose()
-            await anyio.sleep(3 * TTL)  # the trainer, silent, lapses; the replica beats on
+            await anyio.sleep(2 * SERVED_TTL)  # the trainer, silent, lapses; the replica beats on
             status = await replica.status()
             assert status.pulls["r0"].gbps == pytest.approx(4.0) and status.versions[0].step == 300
             assert [x.name for x in status.lapsed] == ["trainer"]

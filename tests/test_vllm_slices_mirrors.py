@@ -112,6 +112,11 @@ class _Worker(WeightpullWorker):
         self.failing = failing
         self.loaded: list[tuple[int, bool]] = []  # (version, its bytes exact)
 
+    def _weightpull_servable(self, pulled) -> None:
+        from weightpull.integrations import fp8
+
+        fp8.check_servable(pulled.manifest.layout, pulled.version, None)  # an unquantized engine's
+
     def _weightpull_load(self, pulled):
         self.loaded.append((pulled.version, exact(pulled, pulled.version)))
         if pulled.version in self.failing:
