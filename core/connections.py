@@ -4,12 +4,18 @@ is gone, all closed with the reader."""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
+import anyio
+
+from .errors import WeightpullError
 from .transport import Remote, Transport
 
 __all__ = ["Connections"]
+
+log = logging.getLogger(__name__)
 
 
 class Connections:
@@ -35,6 +41,21 @@ class Connections:
                 self.transport.disconnect(self._remotes.popitem(last=False)[1])
         self._remotes.move_to_end(descriptor)
         return remote
+
+    async def map_ahead(self, descriptors: list[bytes], device: str, holder: str) -> int:
+        """Connect to each of `descriptors` (reserved slots) and map it for `device` now,
+        so the first pull pays neither; one that cannot be mapped is logged and left to
+        that pull. Returns how many were mapped."""
+        mapped = 0
+        for descriptor in descriptors:
+            try:
+                remote = self.get(descriptor, keep=len(descriptors))
+                await anyio.to_thread.run_sync(self.transport.prepare, remote, device)
+            except WeightpullError as exc:
+                log.warning("%s: could not map a reserved slot ahead: %s", holder, exc)
+                continue
+            mapped += 1
+        return mapped
 
     def forget(self, descriptors: Iterable[bytes]) -> None:
         """Disconnect from each of `descriptors`: the memory or peer behind them is gone

@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 
 from . import schema
-from .digests import kind_of
+from .digests import kind_of, numpy_or_none
 from .errors import DigestMismatchError, InvalidArgumentError
 
 __all__ = ["SPARSE16", "Delta", "check_publishing", "encode", "patch", "pieces", "room_for", "word_of"]
@@ -46,20 +46,6 @@ ENCODINGS = (SPARSE16,)
 CHUNK = 1 << 16  # words per chunk: an offset in one fits 16 bits
 WORDS = (1, 2, 4, 8)  # word sizes, in bytes
 
-_NOT_YET = object()
-_np: Any = _NOT_YET  # numpy, imported at first use; None where it is not installed
-
-
-def _numpy() -> Any:
-    global _np
-    if _np is _NOT_YET:
-        try:
-            import numpy
-        except ImportError:
-            _np = None
-        else:
-            _np = numpy
-    return _np
 
 
 def _strings(items: Iterable[str]) -> tuple[str, ...]:
@@ -155,7 +141,7 @@ def _layout(words: int, changed: int, word: int) -> tuple[int, int, int]:
 def encode(old: memoryview, new: memoryview, word: int, into: memoryview) -> tuple[int, int] | None:
     """Write into `into` the section that turns `old`'s bytes into `new`'s (equal sizes, a
     multiple of `word`): (its bytes, the words changed), or None when it would not fit."""
-    np = _numpy()
+    np = numpy_or_none()
     if np is None:
         return encode_reference(old, new, word, into)
     _check_sizes(old, new, word)
@@ -199,7 +185,7 @@ def patch(target: memoryview, section: memoryview, word: int) -> None:
         DigestMismatchError: the section is malformed for a target of this size (its
             counts, offsets or size do not add up); `target` may then be partly patched.
     """
-    np = _numpy()
+    np = numpy_or_none()
     if np is None:
         patch_reference(target, section, word)
         return

@@ -40,7 +40,9 @@ _NOT_YET = object()
 _np: Any = _NOT_YET
 
 
-def _numpy() -> Any:
+def numpy_or_none() -> Any:
+    """numpy, imported on first use, or None where it is not installed (the core needs it
+    only for speed)."""
     global _np
     if _np is _NOT_YET:
         try:
@@ -79,7 +81,7 @@ _weights: tuple[Any, Any] | None = None  # numpy's 0.._BLOCK_ROWS-1 and 1.._COLS
 
 def _wsum64_numpy(data: memoryview | bytes) -> tuple[int, int]:
     global _weights
-    np = _numpy()
+    np = numpy_or_none()
     assert np is not None
     if _weights is None:
         _weights = (np.arange(_BLOCK_ROWS, dtype=np.uint64), np.arange(1, _COLS + 1, dtype=np.uint64))
@@ -121,7 +123,7 @@ def digest(data: memoryview | bytes, kind: str = BLAKE2B128) -> str:
     if kind == BLAKE2B128:
         return f"{BLAKE2B128}:{hashlib.blake2b(data, digest_size=16).hexdigest()}"
     if kind == WSUM64:
-        return wsum64_hex(*(wsum64_reference(data) if _numpy() is None else _wsum64_numpy(data)))
+        return wsum64_hex(*(wsum64_reference(data) if numpy_or_none() is None else _wsum64_numpy(data)))
     raise InvalidArgumentError(f"unknown digest kind {kind!r} (known: {', '.join(KINDS)})")
 
 

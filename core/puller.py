@@ -42,7 +42,6 @@ from .errors import (
     TornReadError,
     TransportError,
     VersionStateError,
-    WeightpullError,
     first_error,
 )
 from .layout import Layout
@@ -628,17 +627,7 @@ class Puller:
                     self.mirror = await self._allocate(nbytes)
                 if self.spare_mirror and self.relays.spare[0] is None:
                     self.relays.spare = (await self._allocate(nbytes), None, None)
-            sources = [source for r in found for source in r.sources]
-            mapped = 0
-            for source in sources:
-                try:
-                    remote = self._remote(source, keep=len(sources))
-                    await anyio.to_thread.run_sync(self.transport.prepare, remote, self.device)
-                except WeightpullError as exc:
-                    log.warning("%s: could not map a reserved slot ahead: %s", self.holder, exc)
-                    continue
-                mapped += 1
-            return mapped
+            return await self._remotes.map_ahead([s for r in found for s in r.sources], self.device, self.holder)
 
     def last_pull(self) -> PullReport | None:
         """How the last good pull went (its seconds, bytes and source: "" for the version's

@@ -276,17 +276,7 @@ class SlicePuller:
             if not isinstance(self.registry, ReservingRegistry):
                 return 0
             found = [r for r in await self.registry.reservations() if r.transport == self.transport.name]
-            sources = [source for r in found for source in r.sources]
-            mapped = 0
-            for source in sources:
-                try:
-                    remote = self._remote(source, keep=len(sources))
-                    await anyio.to_thread.run_sync(self.transport.prepare, remote, self.device)
-                except WeightpullError as exc:
-                    log.warning("%s: could not map a reserved slot ahead: %s", self.holder, exc)
-                    continue
-                mapped += 1
-            return mapped
+            return await self._remotes.map_ahead([s for r in found for s in r.sources], self.device, self.holder)
 
     async def pull(self, version: int | None = None) -> SlicePulled:
         """This rank's slice of the newest READY version (or `version`; with `stream`, a
