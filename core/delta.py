@@ -47,7 +47,6 @@ CHUNK = 1 << 16  # words per chunk: an offset in one fits 16 bits
 WORDS = (1, 2, 4, 8)  # word sizes, in bytes
 
 
-
 def _strings(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(items)
 
