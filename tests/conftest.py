@@ -22,10 +22,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: vLLM's files first
-        from .scheduling import starts_vllm
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: vLLM's files first, the tail last
+        from .scheduling import order
 
-        items.sort(key=lambda item: not starts_vllm(str(item.path)))
+        items.sort(key=lambda item: order(str(item.path)))
 
 
 @pytest.fixture

@@ -2,8 +2,10 @@
 installs it). Each file's tests run on one worker, in order, so module-scoped fixtures
 start once, as in a serial run; the files that start vLLM engines (each takes both cores,
 and test_vllm.py's four start under a deadline) form one unit, run first and one at a time,
-while the other worker takes the rest. A scheduler of its own, as xdist's `loadgroup`
-cannot mark groups under pytest 9.
+while the other worker takes the rest, then the tail: tests that start vLLM too but wait
+on it with no tight deadline, each a unit of its own, queued last so that whichever worker
+is free takes the next (without them, the vLLM unit ends alone, minutes after the rest). A scheduler of its
+own, as xdist's `loadgroup` cannot mark groups under pytest 9.
 
 It also mends two faults of xdist 3.8's `LoadScopeScheduling` that turn a crashed worker
 into a run that never ends (CI then reports a timeout, not the test that crashed): the
@@ -15,18 +17,23 @@ from __future__ import annotations
 
 from xdist.scheduler import LoadScopeScheduling
 
-VLLM_FILES = ("test_loop_demo.py", "test_demo_processes.py")
+TAIL_FILES = ("test_loop_demo.py", "test_demo_processes.py")
 
 
 def starts_vllm(path: str) -> bool:
     name = path.rsplit("/", 1)[-1]
-    return name.startswith("test_vllm") or name in VLLM_FILES
+    return name.startswith("test_vllm")
+
+
+def order(path: str) -> int:
+    """Where a file's tests go in the queue: the vLLM unit, the rest, the tail."""
+    return 0 if starts_vllm(path) else 2 if path.rsplit("/", 1)[-1] in TAIL_FILES else 1
 
 
 class ByFile(LoadScopeScheduling):
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
-        return "vllm" if starts_vllm(path) else path
+        return ("vllm", path, nodeid)[order(path)]
 
     def remove_node(self, node):
         """The test the worker died on (reported failed, not run again), with only the
