@@ -66,7 +66,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,42 @@ def _connect(cfg: dict[str, Any]) -> Any:
     return connect_registry(cfg["registry"], key=cfg["key"], server_key=cfg["server_key"])
 
 
+def _publisher(cfg: dict[str, Any], registry: Any, **options: Any) -> Any:
+    """The trainer's `Publisher` over NIXL, polling for its readers every `progress_s`."""
+    from weightpull.publisher import Publisher
+    from weightpull.transports import create_transport
+
+    return Publisher(
+        registry,
+        create_transport("nixl", progress_interval=cfg["progress_s"]),
+        rollout_dtype=None,
+        bucket_bytes=cfg["bucket"],
+        name="trainer",
+        digests=cfg["digest"],  # what readers from relays check (and every puller, as it does)
+        **options,
+    )
+
+
+async def _serve_publishes(publisher: Any, publish: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> None:
+    """Serve the slots' readers while publishing as each line asks (saying what `publish`
+    returns) until told to stop, or stdin closes; then close the publisher."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
+        while message := await _line():
+            if "publish" in message:
+                _say(**await publish(message))
+            elif message.get("cpu"):
+                _say(cpu=time.process_time())  # the bench takes the difference around each run
+            else:
+                break
+        tg.cancel_scope.cancel()
+    await publisher.aclose()
+    await publisher.transport.aclose()
+
+
 async def _trainer(cfg: dict[str, Any]) -> None:
     from weightpull.layout import TensorSpec
-    from weightpull.publisher import Publisher
     from weightpull.tensors import HostTensor
-    from weightpull.transports import create_transport
 
     from .pull import BenchConfig, _tensors, content, digest
 
@@ -164,31 +195,16 @@ async def _trainer(cfg: dict[str, Any]) -> None:
         tensors = _tensors(BenchConfig(transport="nixl", size=cfg["size"], bucket_bytes=cfg["bucket"]), data)
         reserve, want = cfg["size"], digest(data)
     async with _connect(cfg) as registry:
-        publisher = Publisher(
-            registry,
-            create_transport("nixl", progress_interval=cfg["progress_s"]),
-            rollout_dtype=None,
-            bucket_bytes=cfg["bucket"],
-            name="trainer",
-            stream=True,
-            digests=cfg["digest"],  # what readers from relays check (and every puller, as it does)
-        )
+        publisher = _publisher(cfg, registry, stream=True)
         await publisher.reserve(reserve)  # slots made ahead: replicas map them (Puller.prepare)
         _say(ready=True, digest=want)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(publisher.serve)  # over TCP every read needs the owner's progress
-            while message := await _line():  # until told to stop (or stdin closes)
-                if "publish" in message:
-                    result = await publisher.publish(message["publish"], tensors)
-                    assert result.manifest is not None
-                    _say(published=result.manifest.version)
-                elif message.get("cpu"):
-                    _say(cpu=time.process_time())  # the bench takes the difference around each run
-                else:
-                    break
-            tg.cancel_scope.cancel()
-        await publisher.aclose()
-        await publisher.transport.aclose()
+
+        async def publish(message: dict[str, Any]) -> dict[str, Any]:
+            result = await publisher.publish(message["publish"], tensors)
+            assert result.manifest is not None
+            return {"published": result.manifest.version}
+
+        await _serve_publishes(publisher, publish)
 
 
 def model_words(shapes: Sequence[tuple[str, Sequence[int]]], seed: int) -> dict[str, Any]:
@@ -231,8 +247,6 @@ async def _form_trainer(cfg: dict[str, Any]) -> None:
 
     from weightpull.integrations import fp8
     from weightpull.layout import TensorSpec
-    from weightpull.publisher import Publisher
-    from weightpull.transports import create_transport
 
     from .pull import digest
 
@@ -261,46 +275,30 @@ async def _form_trainer(cfg: dict[str, Any]) -> None:
 
     specs = [TensorSpec(name, "bfloat16", shape) for name, shape in shapes]
     async with _connect(cfg) as registry:
-        publisher = Publisher(
-            registry,
-            create_transport("nixl", progress_interval=cfg["progress_s"]),
-            rollout_dtype=None,
-            bucket_bytes=cfg["bucket"],
-            name="trainer",
-            stream=not deltas,  # a delta is encoded once the whole version landed
-            digests=cfg["digest"],
-            deltas=deltas,
-        )
+        publisher = _publisher(cfg, registry, stream=not deltas, deltas=deltas)  # a delta is encoded once all landed
         await publisher.reserve(fp8.specs(specs, None) if quantized else specs)
         _say(ready=True, digest=None)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(publisher.serve)
-            while message := await _line():
-                if "publish" in message:
-                    words = versions[1 if message.get("next") else 0]
-                    started = time.perf_counter()
-                    result = await publisher.publish(message["publish"], tensors(words))
-                    publish_s = time.perf_counter() - started
-                    manifest = result.manifest
-                    assert manifest is not None
-                    delta = manifest.delta
-                    _say(
-                        published=manifest.version,
-                        bytes=manifest.layout.total_bytes,
-                        delta_bytes=None if delta is None else delta.nbytes,
-                        delta_base=None if delta is None else delta.base,
-                        changed_words=None if delta is None else delta.changed,
-                        word=None if delta is None else delta.word,
-                        publish_s=round(publish_s, 3),
-                        oracle=await anyio.to_thread.run_sync(oracle, words) if message.get("oracle") else None,
-                    )
-                elif message.get("cpu"):
-                    _say(cpu=time.process_time())
-                else:
-                    break
-            tg.cancel_scope.cancel()
-        await publisher.aclose()
-        await publisher.transport.aclose()
+
+        async def publish(message: dict[str, Any]) -> dict[str, Any]:
+            words = versions[1 if message.get("next") else 0]
+            started = time.perf_counter()
+            result = await publisher.publish(message["publish"], tensors(words))
+            publish_s = time.perf_counter() - started
+            manifest = result.manifest
+            assert manifest is not None
+            delta = manifest.delta
+            return {
+                "published": manifest.version,
+                "bytes": manifest.layout.total_bytes,
+                "delta_bytes": None if delta is None else delta.nbytes,
+                "delta_base": None if delta is None else delta.base,
+                "changed_words": None if delta is None else delta.changed,
+                "word": None if delta is None else delta.word,
+                "publish_s": round(publish_s, 3),
+                "oracle": await anyio.to_thread.run_sync(oracle, words) if message.get("oracle") else None,
+            }
+
+        await _serve_publishes(publisher, publish)
 
 
 def verify_cpu(mirror: Any, manifest: Any) -> float:
