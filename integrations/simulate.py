@@ -50,10 +50,6 @@ class Model:
     bf16_bytes: int = 0  # the whole model in bf16; 0: `nbytes` (a bf16 preset)
     fp8_fraction: float = FP8_FRACTION  # its fp8 form's bytes over its bf16 bytes
 
-    @property
-    def slice_bytes(self) -> int:
-        return -(-self.nbytes // self.hosts)
-
 
 @attrs.frozen
 class Fractions:
