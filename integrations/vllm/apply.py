@@ -567,12 +567,12 @@ class _Reference:
             return  # attention layers hold no checkpoint weights here, only scales
         started = time.perf_counter()
         if layer in self.identity:
-            self._expect(layer, layer)  # processing leaves these as they are: no copy
+            self._expect([(layer, layer)])  # processing leaves these as they are: no copy
         else:
             scratch = _scratch(layer)
             # Defined on the class, not the (wrapped) instance: the unwrapped processing.
             type(method).process_weights_after_loading(_first_load_method(method), scratch)
-            self._expect(layer, scratch)
+            self._expect([(layer, scratch)])
             self.scratch += 1
         self.seconds += time.perf_counter() - started
 
@@ -590,24 +590,24 @@ class _Reference:
         if not self.pending:
             return
         started = time.perf_counter()
-        layers = [(layer, _own_tensors(layer)) for layer in self.pending.values()]
+        layers = list(self.pending.values())
         self.pending.clear()
+        self._expect([(layer, layer) for layer in layers])
+        self.seconds += time.perf_counter() - started
+
+    def _expect(self, pairs: list[tuple[torch.nn.Module, torch.nn.Module]]) -> None:
+        """What each layer's kernel tensors must be: the fingerprints of its source's own
+        tensors (the layer itself, or a copy processed as on a first load), all at once."""
+        layers = [(layer, _own_tensors(source)) for layer, source in pairs]
         flat = [t for _, tensors in layers for t in tensors.values()]
-        prints = fingerprint_tensors(flat) if flat else None
-        at = 0
+        if not flat:
+            return
+        prints, at = fingerprint_tensors(flat), 0
         for layer, tensors in layers:
             if tensors:
-                assert prints is not None
                 shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
                 self.expected[id(layer)] = (layer, shapes, prints[at : at + len(tensors)])
                 at += len(tensors)
-        self.seconds += time.perf_counter() - started
-
-    def _expect(self, layer: torch.nn.Module, source: torch.nn.Module) -> None:
-        tensors = _own_tensors(source)
-        if tensors:
-            shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-            self.expected[id(layer)] = (layer, shapes, fingerprint_tensors(list(tensors.values())))
 
     def compare(self, model: torch.nn.Module) -> float:
         """Raise `ApplyCheckError` naming every parameter whose kernel bytes differ: every
