@@ -21,6 +21,37 @@ def pytest_xdist_make_scheduler(config, log):
     return ByFile(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's faulthandler copies fd 2
+def pytest_configure(config) -> None:
+    if hasattr(config, "workerinput"):
+        from .scheduling import keep_last_words
+
+        keep_last_words(config.workerinput["workerid"])
+
+
+def pytest_unconfigure(config) -> None:
+    if config.pluginmanager.hasplugin("dsession"):  # the xdist controller
+        from .scheduling import forget_last_words
+
+        forget_last_words()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched) -> None:
+    """The crashed worker's last words in the failure, not only the test's name."""
+    from .scheduling import CRASHES
+
+    words = next((c.last_words for c in reversed(CRASHES) if c.test == crashitem), "")
+    report.longrepr = f"{report.longrepr}\n--- the end of its stderr ---\n{words}"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if terminalreporter.config.pluginmanager.hasplugin("dsession"):
+        from .scheduling import report_crashes
+
+        report_crashes(terminalreporter)
+
+
 def pytest_collection_modifyitems(items) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: vLLM's files first, the tail last
         from .scheduling import order

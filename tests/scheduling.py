@@ -11,10 +11,28 @@ It also mends two faults of xdist 3.8's `LoadScopeScheduling` that turn a crashe
 into a run that never ends (CI then reports a timeout, not the test that crashed): the
 dead worker's finished files go back on the queue as empty units that are never marked
 done (pytest-xdist#1378), and a replacement worker handed one unit of one test waits for
-a second that never comes (#1327). Imported only under xdist."""
+a second that never comes (#1327). Imported only under xdist.
+
+A test whose worker dies runs once more, on a fresh worker: a crash seen in CI twice (an
+abort while collecting garbage, in tests that had nothing to do with it) came from what
+earlier tests left in that process, not from the test it hit. Each crash is printed at the
+end of the run with the worker's last words, and a test that crashes its worker twice
+fails with them. xdist names only the test, and the interpreter's fatal-error dump (which
+thread, in what) lies far up the log, interleaved with the other worker's progress: each
+worker's stderr goes through `tee` into a file (`tee` outlives the worker, so nothing
+written before the crash is lost) before pytest's faulthandler takes a copy of it, and the
+report quotes that file's end."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
 from xdist.scheduler import LoadScopeScheduling
 
 TAIL_FILES = ("test_loop_demo.py", "test_demo_processes.py")
@@ -30,26 +48,41 @@ def order(path: str) -> int:
     return 0 if starts_vllm(path) else 2 if path.rsplit("/", 1)[-1] in TAIL_FILES else 1
 
 
+@attrs.frozen
+class Crash:
+    test: str
+    worker: str
+    last_words: str
+    run_again: bool
+
+
+CRASHES: list[Crash] = []  # in the controller, this run's
+
+
 class ByFile(LoadScopeScheduling):
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
         return ("vllm", path, nodeid)[order(path)]
 
     def remove_node(self, node):
-        """The test the worker died on (reported failed, not run again), with only the
-        unfinished tests of its units back on the queue."""
+        """The unfinished tests of the dead worker's units back on the queue, the one it died
+        on among them the first time (None: nothing fails yet); the second time that test
+        is reported failed and not run again."""
         workload = self.assigned_work.pop(node)
         pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
         if not pending:
             return None
         crashed = pending[0]
-        for unit in workload.values():
-            if crashed in unit:
-                unit[crashed] = True
+        again = crashed not in {c.test for c in CRASHES}
+        CRASHES.append(Crash(crashed, node.gateway.id, last_words(node.gateway.id), again))
+        if not again:
+            for unit in workload.values():
+                if crashed in unit:
+                    unit[crashed] = True
         self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
         for other in self.assigned_work:
             self._reschedule(other)
-        return crashed
+        return None if again else crashed
 
     def _reschedule(self, node) -> None:
         """Enough work that the worker can run what it holds: it runs a test only once it
@@ -59,3 +92,55 @@ class ByFile(LoadScopeScheduling):
             super()._reschedule(node)
         if not self.workqueue:
             super()._reschedule(node)  # shuts it down: its last test runs
+
+
+def _stderr_log(controller_pid: int, worker: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"weightpull-tests-{controller_pid}-{worker}.stderr"
+
+
+def keep_last_words(worker: str) -> None:
+    """In a worker, before pytest's faulthandler copies fd 2: fd 2 through `tee` into a file
+    the controller (this process' parent) reads if the worker crashes."""
+    log = _stderr_log(os.getppid(), worker)
+    log.unlink(missing_ok=True)
+    stderr = os.dup(2)
+    tee = subprocess.Popen(  # its own session: a Ctrl-C ends the worker, then tee at EOF
+        ["tee", "-a", str(log)], stdin=subprocess.PIPE, stdout=stderr, start_new_session=True
+    )
+    os.close(stderr)  # tee holds it
+    assert tee.stdin is not None
+    os.dup2(tee.stdin.fileno(), 2)
+    tee.stdin.close()  # fd 2 holds the pipe now
+
+
+# Frames of the test runner itself, in every thread's stack: left out of the report.
+RUNNER_FRAMES = re.compile(r'File ".*/site-packages/(pluggy|_pytest|xdist|execnet)/|File "<string>"')
+
+
+def last_words(worker: str, lines: int = 120) -> str:
+    """The end of a crashed worker's stderr, from the interpreter's fatal-error dump on (and a
+    few lines before it: a C library's assertion comes just ahead), without the runner's
+    own frames."""
+    log = _stderr_log(os.getpid(), worker)
+    time.sleep(0.5)  # tee writes what the worker wrote last
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(its stderr could not be read: {exc})"
+    fatal = max((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), default=None)
+    start = max(0, len(text) - lines) if fatal is None else max(0, fatal - 8)
+    kept = [line[:300] for line in text[start:] if not RUNNER_FRAMES.search(line)]
+    return "\n".join(kept[:lines])
+
+
+def forget_last_words() -> None:
+    for log in Path(tempfile.gettempdir()).glob(f"weightpull-tests-{os.getpid()}-*.stderr"):
+        log.unlink(missing_ok=True)
+
+
+def report_crashes(terminal) -> None:
+    """Every worker that died this run, with its last words, at the end of the run."""
+    for crash in CRASHES:
+        then = "run again on a fresh worker" if crash.run_again else "failed: it crashed its worker twice"
+        terminal.section(f"worker {crash.worker} crashed running {crash.test} ({then})", sep="-", red=True)
+        terminal.line(crash.last_words)
