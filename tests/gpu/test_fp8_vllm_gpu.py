@@ -32,7 +32,7 @@ QWEN3 = dict(
     num_key_value_heads=2,
     head_dim=64,
     vocab_size=1024,
-    max_position_embeddings=256,
+    max_position_embeddings=512,  # the bench's engine settings take max_model_len=512
     tie_word_embeddings=False,
 )
 PROMPTS = [[1, 5, 9, 22, 100, 7], [(7 * i + 3) % 1000 + 1 for i in range(40)]]
