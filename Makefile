@@ -36,9 +36,12 @@ VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10
 # far faster (.venv-torch's 3 GB of CUDA libraries in ~70 s, where pip took ~4 min; all three
 # in ~2.5 min, where pip took ~11). Each venv gets it from PyPI by its own pip (a few seconds).
 # uv reads no pip configuration: a machine's wheel folder (this one's CPU torch) is passed on.
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a
+# package installed without .pyc files is compiled again by every process that imports it
+# (without it, test_vllm.py's engines missed their start deadline here).
 UV := uv==0.13.9
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL = pip install $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+UV_INSTALL = pip install --compile-bytecode $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
 # The editable install is a link tree (build/__editable__.*): `weightpull`, `.drivers` and
 # `.integrations` as the import path lays them out, so static tools (import-linter, mypy,
@@ -76,7 +79,7 @@ $(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install -q --disable-pip-version-check '$(UV)'
 	@echo "setup-torch [2/2] installing weightpull[torch-transport,service,dev]; uv lists each package"
-	$(TORCH_VENV)/bin/uv pip install --python $(TORCH_VENV)/bin/python -e '.[torch-transport,service,dev]'
+	$(TORCH_VENV)/bin/uv pip install --compile-bytecode --python $(TORCH_VENV)/bin/python -e '.[torch-transport,service,dev]'
 	touch $(TORCH_STAMP)
 	@echo "setup-torch: $(TORCH_VENV) is ready"
 
