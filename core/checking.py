@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 
-from .digests import WSUM64, kind_of, matches
+from .digests import WSUM64, first_mismatch, kind_of
 from .errors import DigestMismatchError, InvalidArgumentError
 from .manifest import Manifest
 from .settings import Digester, digester_hint
@@ -22,10 +22,14 @@ class DigestChecker:
     Args:
         device: Where the copies lie: "cpu", or a GPU ("cuda:0").
         digester: Checks wsum64 digests where a GPU copy lies; None: only on the host.
+        threads: Threads a check of host bytes sums on (`digests.first_mismatch`); None:
+            one per core (`os.cpu_count()`). Settable on a puller's `checker`.
     """
 
-    def __init__(self, device: str, digester: Digester | None) -> None:
-        self.device, self.digester = device, digester
+    def __init__(self, device: str, digester: Digester | None, threads: int | None = None) -> None:
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+        self.device, self.digester, self.threads = device, digester, threads
 
     def checkable(self, manifest: Manifest, *, must: bool) -> bool:
         """Whether the version's digests can be checked where the mirror lies: any kind
@@ -85,11 +89,9 @@ class DigestChecker:
                 if len(got) != len(buckets):
                     raise InvalidArgumentError(f"the digester gave {len(got)} digests for {len(buckets)} buckets")
                 return next((i for i, (want, have) in enumerate(zip(digests, got, strict=False)) if have != want), None)
-            view = mirror.host_view()
-            for i, (b, want) in enumerate(zip(buckets, digests, strict=False)):
-                if not matches(view[b.offset : b.offset + b.nbytes], want):  # any kind the publisher recorded
-                    return i
-            return None
+            n = min(len(buckets), len(digests))  # any kind the publisher recorded, on `threads` threads
+            spans = [(b.offset, b.nbytes) for b in buckets[:n]]
+            return first_mismatch(mirror.host_view(), spans, digests[:n], threads=self.threads)
 
         bad = await anyio.to_thread.run_sync(check)
         if bad is None:

@@ -29,7 +29,9 @@ tensor ops on any device, for slots on a GPU.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .errors import DigestMismatchError, InvalidArgumentError
@@ -125,6 +127,88 @@ def digest(data: memoryview | bytes, kind: str = BLAKE2B128) -> str:
     if kind == WSUM64:
         return wsum64_hex(*(wsum64_reference(data) if numpy_or_none() is None else _wsum64_numpy(data)))
     raise InvalidArgumentError(f"unknown digest kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+# `first_mismatch`: a wsum64 span is summed in pieces of this many bytes (a multiple of 8), so
+# that a few large buckets still spread over every thread; spans are checked on threads only
+# when they hold at least _THREADED bytes together (below it, starting threads costs more).
+PIECE = 64 << 20
+_THREADED = 32 << 20
+
+
+def check_threads() -> int:
+    """The threads `first_mismatch` checks on by default: one per core (`os.cpu_count()`)."""
+    return os.cpu_count() or 1
+
+
+def _wsum64_parts(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """(byte offset, bytes) of the pieces of a wsum64 span: each starts on a word."""
+    return [(offset + at, min(PIECE, nbytes - at)) for at in range(0, nbytes, PIECE)] or [(offset, 0)]
+
+
+def first_mismatch(
+    view: memoryview, spans: Sequence[tuple[int, int]], recorded: Sequence[str], *, threads: int | None = None
+) -> int | None:
+    """The position of the first span (offset, bytes) of `view` whose bytes do not match its
+    recorded digest, or None when all do: as checking each in turn with `matches`, on
+    `threads` threads (None: `check_threads()`, one per core). numpy's reductions and
+    hashlib release the GIL, so the threads sum at once; a wsum64 span is summed in pieces
+    of `PIECE` bytes, and its sums combined exactly (s2 of a piece that starts at word k
+    adds k times its s1), so every digest is the one `digest` gives, bit for bit. Without
+    numpy (the pure-Python sums hold the GIL), with one thread, or for a few bytes, the
+    spans are checked in turn on the caller's thread.
+
+    Raises:
+        InvalidArgumentError: `threads` is not a positive int or None; a recorded digest
+            names an unknown kind (as `matches`, at the first span that does).
+    """
+    if threads is None:
+        threads = check_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+    if len(spans) != len(recorded):
+        raise InvalidArgumentError(f"{len(recorded)} digests for {len(spans)} spans")
+    total = sum(n for _, n in spans)
+    if threads == 1 or total < _THREADED or numpy_or_none() is None:
+        return next(
+            (i for i, ((o, n), d) in enumerate(zip(spans, recorded, strict=True)) if not matches(view[o : o + n], d)),
+            None,
+        )
+    kinds: list[str | InvalidArgumentError] = []
+    for d in recorded:
+        try:
+            kinds.append(kind_of(d))
+        except InvalidArgumentError as exc:  # raised in turn below, as a check in turn would
+            kinds.append(exc)
+    jobs: list[tuple[int, str, int, int]] = []  # (span, kind, offset, bytes): a span, or a piece of a wsum64 one
+    for i, ((offset, nbytes), kind) in enumerate(zip(spans, kinds, strict=True)):
+        if kind == WSUM64:
+            jobs += [(i, kind, o, n) for o, n in _wsum64_parts(offset, nbytes)]
+        elif isinstance(kind, str):
+            jobs.append((i, kind, offset, nbytes))
+
+    def run(job: tuple[int, str, int, int]) -> Any:
+        _, kind, o, n = job
+        return _wsum64_numpy(view[o : o + n]) if kind == WSUM64 else digest(view[o : o + n], kind)
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)) or 1, thread_name_prefix="weightpull-check") as pool:
+        results = list(pool.map(run, jobs))
+    got: dict[int, Any] = {}
+    for (i, kind, o, _), result in zip(jobs, results, strict=True):
+        if kind != WSUM64:
+            got[i] = result
+            continue
+        s1, s2 = result
+        k = (o - spans[i][0]) // 8  # the piece's first word in its span
+        t1, t2 = got.get(i, (0, 0))
+        got[i] = ((t1 + s1) & _MASK, (t2 + s2 + k * s1) & _MASK)
+    for i, (kind, d) in enumerate(zip(kinds, recorded, strict=True)):
+        if isinstance(kind, InvalidArgumentError):
+            raise kind
+        have = wsum64_hex(*got[i]) if kind == WSUM64 else got[i]
+        if have != (d if ":" in d else f"{BLAKE2B128}:{d}"):
+            return i
+    return None
 
 
 def kind_of(recorded: str) -> str:

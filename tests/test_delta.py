@@ -243,6 +243,39 @@ async def test_a_patch_that_does_not_match_is_read_whole_under_the_same_lease(wo
     assert reader.metrics()["pull/unpatched"] == 1 and reader.metrics()["pull/pulls"] == 2
 
 
+@pytest.mark.parametrize("kind", ["wsum64", True])
+async def test_a_patched_copy_is_checked_on_threads_and_a_bad_one_still_read_whole(world, monkeypatch, kind):
+    """The whole version's check after a patch sums on the checker's threads, a bucket in
+    pieces (here of 64 bytes, threaded at any size): a patched copy that matches is kept, a
+    base gone bad is caught by it as by the check in turn."""
+    from weightpull import digests
+
+    monkeypatch.setattr(digests, "PIECE", 64)
+    monkeypatch.setattr(digests, "_THREADED", 0)
+    publisher = world.publisher(deltas=True, digests=kind, bucket_bytes=4096)
+    reader = world.puller()
+    reader.checker.threads = 3
+    await publisher.publish(1, model(1))
+    await reader.pull()
+    await publisher.publish(2, model(2))
+    pulled = await reader.pull()
+    assert exact(pulled, 2) and pulled.base == 1
+    reader.mirror.host_view()[4096 + 77] ^= 0x01  # v2's copy, its second bucket, goes bad after its check
+    await publisher.publish(3, model(3))
+    pulled = await reader.pull()
+    assert exact(pulled, 3) and pulled.base is None
+    assert reader.metrics()["pull/patched"] == 1 and reader.metrics()["pull/unpatched"] == 1
+
+
+def test_a_checker_refuses_bad_thread_counts():
+    from weightpull.checking import DigestChecker
+
+    assert DigestChecker("cpu", None).threads is None  # one per core
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
+            DigestChecker("cpu", None, threads=bad)
+
+
 async def test_a_delta_torn_mid_read_is_rejected_never_patched(world):
     publisher = world.publisher(deltas=True, digests=True)
     transport = world.transport()

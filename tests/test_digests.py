@@ -118,3 +118,102 @@ def test_without_numpy_the_reference_computes_wsum64(monkeypatch):
     monkeypatch.setattr(digests, "_np", None)
     monkeypatch.setattr(digests, "_wsum64_numpy", None)  # never reached
     assert digest(data, WSUM64) == fast == reference(data)
+
+
+# -- first_mismatch: a copy's spans checked on threads -------------------------------------
+
+
+def _spans(sizes, gap=3):
+    """(offset, bytes) of spans of `sizes` laid one after another, `gap` bytes apart (so
+    that spans start off a word of the buffer)."""
+    spans, at = [], gap
+    for n in sizes:
+        spans.append((at, n))
+        at += n + gap
+    return spans, at
+
+
+def _in_turn(view, spans, recorded):
+    return next(
+        (i for i, ((o, n), d) in enumerate(zip(spans, recorded, strict=True)) if not matches(view[o : o + n], d)), None
+    )
+
+
+@pytest.fixture
+def threaded(monkeypatch):
+    """Pieces of 24 bytes and threads for any size: every path of the threaded check on small data."""
+    monkeypatch.setattr(digests, "PIECE", 24)
+    monkeypatch.setattr(digests, "_THREADED", 0)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.lists(st.integers(0, 200), min_size=1, max_size=8),
+    st.lists(st.sampled_from([WSUM64, BLAKE2B128, "bare"]), min_size=8, max_size=8),
+    st.integers(1, 4),
+    st.lists(st.integers(0, 10_000), max_size=3),
+    st.randoms(),
+)
+def test_first_mismatch_on_threads_is_the_check_in_turn_bit_for_bit(sizes, kinds, threads, flips, rnd):
+    """Pieces' sums combine into each span's own digest exactly, whatever the span's size
+    (part words included), kind and place; the first span that differs is the one a check
+    in turn finds."""
+    spans, end = _spans(sizes)
+    data = bytearray(rnd.randbytes(end))
+    view = memoryview(data)
+
+    def recorded(o, n, kind):
+        d = digest(view[o : o + n], BLAKE2B128 if kind == "bare" else kind)
+        return d.partition(":")[2] if kind == "bare" else d
+
+    want = [recorded(o, n, k) for (o, n), k in zip(spans, kinds, strict=False)]
+    for at in flips:
+        data[at % end] ^= 0x10
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(digests, "PIECE", 24)
+        m.setattr(digests, "_THREADED", 0)
+        got = digests.first_mismatch(view, spans, want, threads=threads)
+    assert got == _in_turn(view, spans, want)
+
+
+def test_first_mismatch_of_large_buckets_on_two_threads_equals_digest(threaded):
+    spans, end = _spans([1000, 8 * 24 + 5, 0, 31])
+    data = bytearray(os.urandom(end))
+    view = memoryview(data)
+    want = [digest(view[o : o + n], WSUM64) for o, n in spans]
+    assert digests.first_mismatch(view, spans, want, threads=2) is None
+    data[spans[1][0] + 8 * 24 + 2] ^= 1  # in the last, short piece of span 1
+    data[spans[3][0]] ^= 1
+    assert digests.first_mismatch(view, spans, want, threads=2) == 1
+    data[spans[1][0] + 8 * 24 + 2] ^= 1
+    assert digests.first_mismatch(view, spans, want, threads=2) == 3
+
+
+def test_first_mismatch_raises_for_an_unknown_kind_in_turn(threaded):
+    spans, end = _spans([64, 64, 64])
+    view = memoryview(bytearray(os.urandom(end)))
+    good = [digest(view[o : o + n], WSUM64) for o, n in spans]
+    with pytest.raises(InvalidArgumentError, match="unknown kind 'md5'"):
+        digests.first_mismatch(view, spans, [good[0], "md5:00", good[2]], threads=2)
+    wrong = wsum64_hex(1, 2)  # a span that differs before the unknown kind: found first, as in turn
+    assert digests.first_mismatch(view, spans, [wrong, "md5:00", good[2]], threads=2) == 0
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_first_mismatch_refuses_bad_thread_counts(threads):
+    with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
+        digests.first_mismatch(memoryview(b""), [], [], threads=threads)
+
+
+def test_first_mismatch_without_numpy_checks_in_turn(monkeypatch, threaded):
+    spans, end = _spans([100, 100])
+    view = memoryview(bytearray(os.urandom(end)))
+    want = [digest(view[o : o + n], WSUM64) for o, n in spans]
+    monkeypatch.setattr(digests, "_np", None)
+    monkeypatch.setattr(digests, "_wsum64_numpy", None)  # never reached
+    assert digests.first_mismatch(view, spans, want, threads=4) is None
+    assert digests.first_mismatch(view, spans, [want[0], wsum64_hex(0, 0)], threads=4) == 1
+
+
+def test_by_default_a_check_takes_a_thread_per_core():
+    assert digests.check_threads() == (os.cpu_count() or 1)
