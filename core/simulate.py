@@ -31,6 +31,11 @@ H such slices moving side by side, each its own fan-out, so one slice is simulat
   check slows in the same proportion (processor sharing of the cores, as links are
   shared). Without `cpus` (real hosts, each its own CPUs) the cores never bind; a check
   still takes its time on one core.
+- **Applying.** `apply_s`: the seconds each reader spends, once it holds its whole copy
+  and before it serves, beside its check (a delta's patch and the check of the whole
+  version after it, at its host's rates): taken as the check is (with `cpus`,
+  core-seconds on one core; without, its own host's time). A copy not forwarded is then
+  offered only once applied (`Puller._patched` offers a patched copy once checked).
 - **Failures.** A replica that dies (all its slices) stops reading and serving. Each of its readers
   notices after `detect_s` (at most one lease TTL), drops its whole copy (it never keeps
   bytes of two sources) and asks again, never for the dead one or a replica reading
@@ -120,6 +125,8 @@ class Scenario:
     send_cpu: float = attrs.field(default=0.0, validator=_non_negative("send_cpu"))  # core-s per byte sent
     recv_cpu: float = attrs.field(default=0.0, validator=_non_negative("recv_cpu"))  # core-s per byte received
     verify_cpu: float = attrs.field(default=0.0, validator=_non_negative("verify_cpu"))  # core-s per byte checked
+    # seconds a reader spends on its whole copy before it serves, beside its check (a delta's patch and check)
+    apply_s: float = attrs.field(default=0.0, validator=_non_negative("apply_s"))
     # slices per host, each of a layout of its own (a tensor-parallel rank's), each its own reader
     parts: int = attrs.field(default=1, validator=_count("parts"))
     # live leases at the trainer's slot, readers of every layout together; by default `cap`
@@ -400,8 +407,9 @@ class _Sim:
     def _request(self, node: _Node) -> None:
         assert node.source is not None
         if node.has >= self.n:
-            if self.s.verify_cpu > 0:
-                self._check(node, self.s.slice_bytes * self.s.verify_cpu)
+            work = self.s.slice_bytes * self.s.verify_cpu + self.s.apply_s
+            if work > 0:
+                self._check(node, work)
             else:
                 self._finish(node)
             return
@@ -414,7 +422,8 @@ class _Sim:
 
     def _landed(self, node: _Node) -> None:
         node.has += 1
-        if self.s.relays and not node.offered and (self.s.forward or node.has == self.n):
+        whole = node.has == self.n and not self.s.apply_s  # an applied copy is offered once applied (`_finish`)
+        if self.s.relays and not node.offered and (self.s.forward or whole):
             self._offer(node)
             self.ask = True
         for c in list(node.readers):
@@ -425,6 +434,8 @@ class _Sim:
 
     def _finish(self, node: _Node) -> None:
         node.state, node.done_at = "done", self.now
+        if self.s.relays and not node.offered:  # not forwarded, and applied (`apply_s`): whole now
+            self._offer(node)
         assert node.source is not None
         src = self.nodes[node.source]
         src.readers.discard(node.index)
@@ -571,12 +582,13 @@ def simulate(scenario: Scenario) -> Outcome:
 
 
 def one_read_s(scenario: Scenario) -> float:
-    """One replica reading alone from a published slot, then checking its copy: the figure
-    a run is calibrated on. With `parts`, its slices move at once, each at its share of
-    the host's link, then are checked at once, each on a core."""
+    """One replica reading alone from a published slot, then checking its copy (and
+    applying it, `apply_s`): the figure a run is calibrated on. With `parts`, its slices
+    move at once, each at its share of the host's link, then are checked at once, each on
+    a core."""
     s = scenario
     demand = s.bandwidth * (s.send_cpu + s.recv_cpu)
     speed = min(1.0, s.cpus / demand) if s.cpus is not None and demand > 0 else 1.0
     moving = sum(s.latency + s.bucket_overhead + b * s.parts / (s.bandwidth * speed) for b in s.buckets)
     checking = min(1.0, s.cpus / s.parts) if s.cpus is not None else 1.0
-    return moving + s.slice_bytes * s.verify_cpu / checking
+    return moving + (s.slice_bytes * s.verify_cpu + s.apply_s) / checking

@@ -39,6 +39,16 @@ DELTA_FRACTION = 0.0381  # a bf16 delta (sparse16: offsets and values), "bf16 ..
 FP8_DELTA_FRACTION = 0.0142  # an fp8 delta of the same steps, "fp8 ... 0.209 MB (1.42%)" of the bf16 bytes
 FP8_FRACTION = 0.576  # block fp8 with its scales, Qwen3-8B (bench fp8_cast on the H200: 9.44 GB of 16.38 GB)
 
+# What a replica does once a delta arrives, per host (docs/guides/bytes.md, "after the bytes"):
+# it patches its copy of the base (`weightpull.delta.patch`, on one thread) and checks the
+# whole version against the publisher's digests (`DigestChecker.verify`, wsum64 on a thread
+# per core). Rates in bytes of the host's whole version a second, measured on one core of
+# the 2-core machine with the library's own functions on 512 MiB; a patch at the measured
+# fractions above (its time scales with the words changed: 1.90% of bf16 words, 0.95% of fp8).
+PATCH_RATE = {"delta": 9.5e9, "fp8-delta": 8.9e9}  # one core: the puller patches on one thread
+CHECK_RATE_CORE = 7.3e9  # wsum64 with numpy, one core
+CHECK_CORES = 16  # a host's cores the check runs on by default (the project's H200 host has 16)
+
 
 @attrs.frozen
 class Model:
@@ -58,6 +68,39 @@ class Fractions:
 
     delta: float = DELTA_FRACTION
     fp8_delta: float = FP8_DELTA_FRACTION
+
+
+@attrs.frozen
+class Rates:
+    """A host's rates, bytes of its whole version a second, for what a replica that
+    patches does before it serves or relays its copy (`--patch-rate`, `--check-rate`):
+    the patch of its copy of the base, given at the measured fractions (None: measured, per
+    form, `PATCH_RATE`), and the check of the whole version after it."""
+
+    patch: float | None = None
+    check: float = CHECK_RATE_CORE * CHECK_CORES
+
+    def patch_for(self, form: str) -> float:
+        return self.patch if self.patch is not None else PATCH_RATE[form]
+
+
+def host_version_bytes(model: Model, form: str) -> int:
+    """The bytes of the whole version a delta of `form` makes on one host: what its patch
+    and its check go over (bf16 for `delta`, fp8 for `fp8-delta`)."""
+    return -(-wire_bytes(model, "full" if form == "delta" else "fp8") // model.hosts)
+
+
+def apply_seconds(model: Model, form: str, fractions: Fractions, rates: Rates) -> tuple[float, float]:
+    """(patch, check) seconds a host of `model` spends on a delta of `form` before it serves:
+    its patch (its time scales with the words changed, so with the delta's fraction over the
+    measured one) and the check of its whole version. (0, 0) for a whole form."""
+    if form not in DELTAS:
+        return 0.0, 0.0
+    nbytes = host_version_bytes(model, form)
+    share = (
+        fractions.delta / DELTA_FRACTION if form == "delta" else fractions.fp8_delta / FP8_DELTA_FRACTION
+    )  # of the words changed at the rate's measured fraction
+    return nbytes / rates.patch_for(form) * share, nbytes / rates.check
 
 
 def wire_bytes(model: Model, form: str, fractions: Fractions = Fractions()) -> int:
@@ -115,7 +158,14 @@ class Params:
 
 
 def scenario(
-    model: Model, replicas: int, p: Params, *, relays: bool, form: str | None = None, fractions: Fractions = Fractions()
+    model: Model,
+    replicas: int,
+    p: Params,
+    *,
+    relays: bool,
+    form: str | None = None,
+    fractions: Fractions = Fractions(),
+    rates: Rates | None = None,
 ) -> Scenario:
     """One host's slice of `model` (in `form`; None: its preset's) fanned out to `replicas`.
     A delta is one section past the version in the slot, read in pieces of the layout's
@@ -125,8 +175,11 @@ def scenario(
     the copy lands at once), so deltas are relayed whole, not forwarded bucket by bucket.
     A model on several hosts patches each host's slice from its own delta: each host a
     `Puller` of a version of its own, as the slices here are each their own fan-out (a
-    `SlicePuller` reads its slice's bytes and never a delta section)."""
+    `SlicePuller` reads its slice's bytes and never a delta section). With `rates`, each
+    reader of a delta patches and checks its host's whole version before it serves or
+    relays it (`apply_s`); None: bytes and reads only."""
     form = form or model.form
+    apply_s = sum(apply_seconds(model, form, fractions, rates)) if rates is not None else 0.0
     return Scenario(
         replicas=replicas,
         nbytes=-(-wire_bytes(model, form, fractions) // model.hosts),
@@ -140,6 +193,7 @@ def scenario(
         cap=p.cap if relays else None,
         failures=tuple(f for f in p.failures if f.replica <= replicas),
         detect_s=p.detect_s,
+        apply_s=apply_s,
     )
 
 
@@ -149,20 +203,26 @@ def predict(
     p: Params,
     forms: Sequence[str] | None = None,
     fractions: Fractions = Fractions(),
+    rates: Rates | None = None,
 ) -> list[dict[str, Any]]:
     """A row per model, form and replica count. `forms` None: each model in its preset's
-    form, the rows without the form's keys (as before forms)."""
+    form, the rows without the form's keys (as before forms). With `rates`, a delta form's
+    times hold each hop's patch and check (its row's `patch_s` and `check_s`, per host)."""
     rows = []
     for key in models:
         model = MODELS[key]
         for form in forms or (None,):
-            one = one_read_s(scenario(model, 1, p, relays=False, form=form, fractions=fractions))
+            kw: dict[str, Any] = {"form": form, "fractions": fractions, "rates": rates}
+            one = one_read_s(scenario(model, 1, p, relays=False, **kw))
             for n in replicas:
-                direct = simulate(scenario(model, n, p, relays=False, form=form, fractions=fractions))
-                relayed = simulate(scenario(model, n, p, relays=True, form=form, fractions=fractions))
+                direct = simulate(scenario(model, n, p, relays=False, **kw))
+                relayed = simulate(scenario(model, n, p, relays=True, **kw))
                 row: dict[str, Any] = {"model": key, "replicas": n}
                 if form is not None:
                     row.update(form=form, wire_bytes=wire_bytes(model, form, fractions))
+                if form in DELTAS and rates is not None:
+                    patch_s, check_s = apply_seconds(model, form, fractions, rates)
+                    row.update(patch_s=round(patch_s, 4), check_s=round(check_s, 4))
                 row.update(
                     one_s=round(one, 4),
                     direct_s=round(direct.all_serve_s, 4),
@@ -174,23 +234,75 @@ def predict(
     return rows
 
 
-def goals(rows: list[dict[str, Any]], p: Params, fractions: Fractions = Fractions()) -> list[dict[str, Any]]:
+def _seconds(model: Model, n: int, p: Params, form: str, fractions: Fractions, apply_s: float) -> float:
+    """Until `n` replicas serve `form` (one: its hosts reading alone; more: with relays),
+    each hop spending `apply_s` on its copy before it serves."""
+    s = attrs.evolve(scenario(model, n, p, relays=n > 1, form=form, fractions=fractions), apply_s=apply_s)
+    return one_read_s(s) if n == 1 else simulate(s).all_serve_s
+
+
+def need_rate(
+    model: Model, n: int, p: Params, form: str, fractions: Fractions, goal: float, free: float | None = None
+) -> float | None:
+    """The least rate, bytes of a host's whole version a second, at which a patch and the
+    check after it together (1 / rate = 1 / patch + 1 / check) let `n` replicas of a delta
+    `form` serve within `goal` s; None where the wire alone misses it (`free`: that time,
+    if known). One replica: exact (its hosts apply once, after their reads); more: by
+    bisection on the model, to 1%."""
+    nbytes = host_version_bytes(model, form)
+    if free is None:
+        free = _seconds(model, n, p, form, fractions, 0.0)
+    if free > goal:
+        return None
+    if n == 1:
+        return nbytes / (goal - free) if goal > free else None
+    lo, hi = 0.0, goal - free  # lo meets the goal; hi, an apply as long as all the slack, at least one hop's
+    if _seconds(model, n, p, form, fractions, hi) <= goal:
+        return nbytes / hi
+    for _ in range(40):
+        if lo > 0 and hi - lo <= 0.01 * lo:
+            break
+        mid = (lo + hi) / 2
+        if _seconds(model, n, p, form, fractions, mid) <= goal:
+            lo = mid
+        else:
+            hi = mid
+    return nbytes / lo if lo > 0 else None
+
+
+def goals(
+    rows: list[dict[str, Any]], p: Params, fractions: Fractions = Fractions(), rates: Rates | None = None
+) -> list[dict[str, Any]]:
     """For each form of the 1T model among `rows`: its time to each of `GOALS` (one
     replica: its 128 GPUs reading alone; 10,000: with relays), taken from the rows where
-    they hold that count, else simulated here, beside the goal."""
+    they hold that count, else simulated here, beside the goal. With `rates`, a delta
+    form's times hold each hop's patch and check, and each goal says that time on the wire
+    alone (`wire_s`), the rate of patch and check together it has (`rate_gbs`) and the
+    least that meets the goal (`need_gbs`; None: the wire alone misses it)."""
     out = []
     model = MODELS["1t"]
     for form in dict.fromkeys(r.get("form") or model.form for r in rows if r["model"] == "1t"):
         held = {r["replicas"]: r for r in rows if r["model"] == "1t" and (r.get("form") or model.form) == form}
+        patch_s, check_s = apply_seconds(model, form, fractions, rates) if rates is not None else (0.0, 0.0)
         for n, what, goal in GOALS:
             if n in held:
                 seconds = held[n]["one_s"] if n == 1 else held[n]["relays_s"]
-            elif n == 1:
-                seconds = one_read_s(scenario(model, 1, p, relays=False, form=form, fractions=fractions))
             else:
-                seconds = simulate(scenario(model, n, p, relays=True, form=form, fractions=fractions)).all_serve_s
+                seconds = _seconds(model, n, p, form, fractions, patch_s + check_s)
             seconds = round(seconds, 4)
-            out.append({"form": form, "to": what, "replicas": n, "s": seconds, "goal_s": goal, "met": seconds <= goal})
+            g: dict[str, Any] = {"form": form, "to": what, "replicas": n, "s": seconds, "goal_s": goal}
+            g["met"] = seconds <= goal
+            if form in DELTAS and rates is not None:
+                wire_s = _seconds(model, n, p, form, fractions, 0.0)
+                need = need_rate(model, n, p, form, fractions, goal, wire_s)
+                g.update(
+                    wire_s=round(wire_s, 4),
+                    patch_s=round(patch_s, 4),
+                    check_s=round(check_s, 4),
+                    rate_gbs=round(host_version_bytes(model, form) / (patch_s + check_s) / 1e9, 2),
+                    need_gbs=None if need is None else round(need / 1e9, 1),
+                )
+            out.append(g)
     return out
 
 
@@ -413,6 +525,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rate in GB/s, a finite number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a rate in GB/s, a finite number > 0, got {text!r}")
+    return value
+
+
 def _cap(text: str) -> int:
     try:
         value = int(text)
@@ -462,6 +584,23 @@ def add_parser(sub: Any) -> None:
         type=_fraction,
         metavar="F",
         help=f"an fp8 delta's bytes as a share of the version's bf16 bytes (default: {FP8_DELTA_FRACTION}, measured)",
+    )
+    p.add_argument(
+        "--patch-rate",
+        type=_rate,
+        metavar="GB/s",
+        help="with a delta form: a host's patch of its copy of the base, GB/s of its whole version at the measured "
+        "fractions (its time scales with the delta's fraction), once per hop before the copy serves (default: "
+        f"measured on one core, as the puller patches on one thread: delta {PATCH_RATE['delta'] / 1e9:g}, "
+        f"fp8-delta {PATCH_RATE['fp8-delta'] / 1e9:g})",
+    )
+    p.add_argument(
+        "--check-rate",
+        type=_rate,
+        metavar="GB/s",
+        help="with a delta form: a host's check of the whole version against its digests after the patch, GB/s, "
+        f"once per hop (default: {CHECK_RATE_CORE * CHECK_CORES / 1e9:g}, wsum64 at "
+        f"{CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CHECK_CORES} cores)",
     )
     p.add_argument("--gbit", type=_positive, default=400.0, help="each host's link, Gbit/s (default: 400)")
     p.add_argument(
@@ -530,6 +669,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and form not in (forms or ()):
             raise InvalidArgumentError(f"{option} applies to --form {form}, which was not asked for")
+    for option, value in (("--patch-rate", args.patch_rate), ("--check-rate", args.check_rate)):
+        if value is not None and not set(forms or ()) & set(DELTAS):
+            raise InvalidArgumentError(f"{option} applies to --form delta or fp8-delta, neither of which was asked for")
+    rates = Rates(
+        patch=None if args.patch_rate is None else args.patch_rate * 1e9,
+        check=CHECK_RATE_CORE * CHECK_CORES if args.check_rate is None else args.check_rate * 1e9,
+    )
     fractions = Fractions(
         delta=args.delta_fraction or DELTA_FRACTION, fp8_delta=args.fp8_delta_fraction or FP8_DELTA_FRACTION
     )
@@ -543,14 +689,19 @@ def run(args: argparse.Namespace) -> int:
         failures=tuple(args.fail),
     )
     models = list(MODELS) if args.model == "both" else [args.model]
-    rows = predict(models, args.replicas, params, forms, fractions)
-    met = goals(rows, params, fractions) if forms and "1t" in models else []
+    rows = predict(models, args.replicas, params, forms, fractions, rates if forms else None)
+    met = goals(rows, params, fractions, rates) if forms and "1t" in models else []
     if args.plot:
         plot(rows, args.plot, params, args.gbit)
     if args.json:
         out: dict[str, Any] = {"gbit": args.gbit, "cap": args.cap, "rows": rows}
         if forms:
             out.update(fractions=attrs.asdict(fractions), goals=met)
+            if set(forms) & set(DELTAS):
+                out.update(
+                    patch_rate_gbs={f: rates.patch_for(f) / 1e9 for f in DELTAS if f in forms},
+                    check_rate_gbs=rates.check / 1e9,
+                )
         print(json.dumps(out))
         return 0
     print(
@@ -569,6 +720,22 @@ def run(args: argparse.Namespace) -> int:
                 else "(the deltas' as given)"
             )
         )
+        if set(forms) & set(DELTAS):
+            patch = ", ".join(f"{f} {rates.patch_for(f) / 1e9:g}" for f in DELTAS if f in forms)
+            source = (
+                "given"
+                if args.patch_rate is not None
+                else "measured on one core, as the puller patches on one thread, at the measured fractions"
+            )
+            check = (
+                "given"
+                if args.check_rate is not None
+                else f"wsum64 at {CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CHECK_CORES} cores"
+            )
+            print(
+                f"deltas: each hop patches its host's copy of the base ({patch} GB/s of its whole version: {source}) "
+                f"and checks the whole version ({rates.check / 1e9:g} GB/s: {check}) before it serves or relays it"
+            )
         print("model  form       wire GB  replicas  one alone s  no relays s  relays s  hops")
     else:
         print("model  replicas  one alone s  no relays s  relays s  hops")
@@ -584,11 +751,25 @@ def run(args: argparse.Namespace) -> int:
         )
         for g in met:
             verdict = "met" if g["met"] else "NOT met"
-            print(f"  {g['form']:9}  to {g['to']:15}  {g['s']:7.3f} s  goal <= {g['goal_s']:g} s  {verdict}")
-        print(
-            "  bytes and reads only: left out, a delta's patch and the check of the whole version after it "
-            "(~14 GB/s a core, docs/guides/bytes.md), which a relay of a delta waits for before it serves"
-        )
+            line = f"  {g['form']:9}  to {g['to']:15}  {g['s']:7.3f} s  goal <= {g['goal_s']:g} s  {verdict}"
+            if "need_gbs" in g:
+                need = (
+                    "the wire alone misses it"
+                    if g["need_gbs"] is None
+                    else f"needs patch + check >= {g['need_gbs']:g} GB/s together"
+                )
+                line += (
+                    f"  (wire {g['wire_s']:.3f} s, then per hop patch {g['patch_s']:.3f} s + check "
+                    f"{g['check_s']:.3f} s: {g['rate_gbs']:g} GB/s together; {need})"
+                )
+            print(line)
+        if any(f in DELTAS for f in forms):
+            print(
+                "  deltas: patch and check of each host's whole version included, per hop; "
+                "the whole forms' own checks left out (bytes and reads only)"
+            )
+        else:
+            print("  bytes and reads only: a whole copy's check left out")
     if args.plot:
         print(f"plot: {args.plot}")
     return 0

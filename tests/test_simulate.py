@@ -183,6 +183,8 @@ def test_the_same_scenario_gives_the_same_outcome():
         dict(cpus=1.5),
         dict(send_cpu=-1e-9),
         dict(verify_cpu=-1),
+        dict(apply_s=-0.1),
+        dict(apply_s=float("nan")),
         dict(parts=0),
         dict(origin_cap=0),
     ],
@@ -207,9 +209,10 @@ def test_bad_scenarios_are_refused(bad):
     check_s=st.sampled_from([0.0, 0.05]),
     parts=st.integers(1, 3),
     origin_cap=st.none() | st.integers(1, 4),
+    apply_s=st.sampled_from([0.0, 0.07]),
 )
 def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
-    n, buckets, relays, cap, forward, deaths, cpus, cores_per_link, check_s, parts, origin_cap
+    n, buckets, relays, cap, forward, deaths, cpus, cores_per_link, check_s, parts, origin_cap, apply_s
 ):
     failures = [Failure(r, at) for r, at in deaths if r <= n]
     s = Scenario(
@@ -228,15 +231,16 @@ def test_every_live_replica_ends_up_serving_and_no_link_beats_its_bandwidth(
         verify_cpu=check_s / (buckets * MiB),
         parts=parts,
         origin_cap=origin_cap,
+        apply_s=apply_s,
     )
     out = simulate(s)
     dead = {f.replica for f in failures}
     assert [i + 1 for i, t in enumerate(out.serve_s) if t is None] == sorted(dead)
     live = [t for t in out.serve_s if t is not None]
     alone = buckets * MiB / 10e6
-    assert all(t >= alone - 1e-9 for t in live)  # nobody receives faster than its own link
+    assert all(t >= alone + apply_s - 1e-9 for t in live)  # nobody receives faster than its own link, then applies
     if not relays and not failures and live:
-        assert out.all_serve_s >= n * alone - 1e-9  # the trainer's link carried every copy
+        assert out.all_serve_s >= n * alone + apply_s - 1e-9  # the trainer's link carried every copy
     assert out.max_hops <= n
 
 
@@ -251,3 +255,26 @@ def test_a_delta_section_costs_its_bytes_when_large_and_its_reads_when_tiny():
     # relayed once whole (a patched relay offers its copy at once): each round costs a whole read
     relayed = simulate(Scenario(replicas=3, relays=True, cap=1, forward=False, **{**BASE, "nbytes": 1024}))
     assert relayed.all_serve_s == pytest.approx(2 * 0.003, rel=0.01) and relayed.max_hops == 2
+
+
+def test_a_copy_applied_before_it_serves_is_offered_once_applied():
+    # a delta's patch and check (apply_s) follow the last byte; a relay not forwarding offers
+    # its copy only then, so each round of the tree pays a read and an apply
+    one = one_read_s(Scenario(replicas=1, **BASE))
+    applied = Scenario(replicas=1, apply_s=0.5, **BASE)
+    assert one_read_s(applied) == pytest.approx(one + 0.5)
+    assert simulate(applied).all_serve_s == pytest.approx(one + 0.5)
+    three = Scenario(replicas=3, relays=True, cap=1, forward=False, apply_s=0.5, **BASE)
+    out = simulate(three)  # r1 from the trainer; once r1 applied, r2 from the trainer and r3 from r1
+    assert out.all_serve_s == pytest.approx(2 * (one + 0.5), rel=0.01) and out.max_hops == 2
+    # on emulated hosts it takes a core as a check does: two at once on one core take twice as long
+    shared = Scenario(replicas=2, cpus=1, apply_s=0.5, **{**BASE, "bucket_bytes": 64 * MiB})
+    assert simulate(shared).all_serve_s == pytest.approx(2 * T_BYTES + 0.003 + 2 * 0.5, rel=0.01)
+
+
+def test_a_forwarding_relay_offers_as_it_receives_whatever_it_applies_after():
+    # apply_s leaves forwarding alone: readers of a relay read its buckets as they arrive
+    forwarded = simulate(Scenario(replicas=8, relays=True, cap=1, apply_s=0.5, **BASE))
+    assert forwarded.max_hops == 8
+    plain = simulate(Scenario(replicas=8, relays=True, cap=1, **BASE)).all_serve_s
+    assert forwarded.all_serve_s == pytest.approx(plain + 0.5, rel=0.01)

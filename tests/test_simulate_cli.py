@@ -231,14 +231,53 @@ def test_simulate_by_form_prints_the_1t_goals_met_or_not(capsys, monkeypatch):
     assert fp8_one[4] == "1.351"  # as the preset's default row
     goals = [line.split() for line in lines if line.startswith("  fp8")]
     assert goals[0][:4] == ["fp8", "to", "128", "GPUs"] and goals[0][-2:] == ["NOT", "met"]
-    assert goals[2][0] == "fp8-delta" and goals[2][-1] == "met" and goals[2][-2] != "NOT"
-    assert any("left out" in line for line in lines)
-    status, out, _ = run(capsys, "simulate", "--model", "1t", "--replicas", "1", "--form", "delta", "--json")
+    # the fp8 delta: its wire time, then each host's patch and check of its 62.5 GB, on one core
+    # and on 16 at the measured rates: not met, and the rate that would meet it
+    fp8_delta = next(line for line in lines if line.startswith("  fp8-delta  to 128 GPUs"))
+    assert goals[2][0] == "fp8-delta" and "goal <= 1 s  NOT met  (wire 0.038 s, then per hop patch " in fp8_delta
+    assert "needs patch + check >= " in fp8_delta
+    assert any("patch and check of each host's whole version included" in line for line in lines)
+    assert any(line.startswith("deltas: each hop patches") for line in lines)
+    argv = ("simulate", "--model", "1t", "--replicas", "1", "--form", "delta", "--json")
+    status, out, _ = run(capsys, *argv)
     result = json.loads(out.splitlines()[-1])
-    assert result["rows"][0]["form"] == "delta" and result["rows"][0]["wire_bytes"] == round(2e12 * 0.0381)
+    row = result["rows"][0]
+    assert row["form"] == "delta" and row["wire_bytes"] == round(2e12 * 0.0381)
     one, ten = result["goals"]  # 10 replicas, not among the rows, simulated for the goal
-    assert one["s"] == pytest.approx(result["rows"][0]["one_s"]) and one["met"]
-    assert ten["replicas"] == 10 and one["s"] < ten["s"] <= 1.5 and ten["met"]
+    assert one["s"] == pytest.approx(row["one_s"]) and not one["met"]
+    assert one["s"] == pytest.approx(one["wire_s"] + row["patch_s"] + row["check_s"], abs=1e-3)
+    assert row["patch_s"] == pytest.approx(125e9 / 9.5e9, abs=1e-3)  # a host's 125 GB of bf16 on one core
+    assert ten["replicas"] == 10 and one["s"] < ten["s"] and not ten["met"]
+    assert one["wire_s"] < ten["wire_s"] <= 1.5  # on the wire alone both were met
+    # at the rate a goal needs, it is met; a little under it, not
+    need = one["need_gbs"]
+    assert need == pytest.approx(125 / (1.0 - one["wire_s"]), rel=1e-3)
+    for rate, met in (
+        (need * 2 * 1.01, True),
+        (need * 2 * 0.98, False),
+    ):  # patch and check each at twice: need together
+        status, out, _ = run(capsys, *argv, "--patch-rate", str(rate), "--check-rate", str(rate))
+        got = json.loads(out.splitlines()[-1])["goals"][0]
+        assert got["met"] is met and got["rate_gbs"] == pytest.approx(rate / 2, rel=1e-3)
+    need = ten["need_gbs"]
+    for rate, met in ((need * 2 * 1.02, True), (need * 2 * 0.9, False)):
+        status, out, _ = run(capsys, *argv, "--patch-rate", str(rate), "--check-rate", str(rate))
+        assert json.loads(out.splitlines()[-1])["goals"][1]["met"] is met
+
+
+def test_a_patch_takes_time_in_proportion_to_its_deltas_fraction(capsys, monkeypatch):
+    from weightpull.integrations import simulate as sim
+
+    monkeypatch.setattr(sim, "GOALS", ((1, "128 GPUs", 1.0),))  # 10,000 takes long
+    argv = ("simulate", "--model", "1t", "--replicas", "1", "--form", "fp8-delta", "--json")
+    rows = [
+        json.loads(run(capsys, *argv, *more)[1].splitlines()[-1])["rows"][0]
+        for more in ((), ("--fp8-delta-fraction", "0.0071"))
+    ]
+    assert rows[1]["patch_s"] == pytest.approx(rows[0]["patch_s"] / 2, rel=1e-3)  # half the words changed
+    assert (
+        rows[1]["check_s"] == rows[0]["check_s"] == pytest.approx(62.5e9 / (16 * 7.3e9), abs=1e-3)
+    )  # the whole version
 
 
 def test_the_default_rows_are_as_before_forms(capsys):
@@ -257,6 +296,16 @@ def test_the_default_rows_are_as_before_forms(capsys):
         (["--form", "delta", "--delta-fraction", "some"], "--delta-fraction"),
         (["--form", "fp8-delta", "--fp8-delta-fraction", "0"], "--fp8-delta-fraction"),
         (["--form", "fp16"], "--form"),
+        (["--form", "delta", "--patch-rate", "0"], "--patch-rate"),
+        (["--form", "delta", "--patch-rate", "-3"], "--patch-rate"),
+        (["--form", "delta", "--patch-rate", "nan"], "--patch-rate"),
+        (["--form", "delta", "--patch-rate", "inf"], "--patch-rate"),
+        (["--form", "delta", "--patch-rate", "fast"], "--patch-rate"),
+        (["--form", "fp8-delta", "--check-rate", "0"], "--check-rate"),
+        (["--form", "fp8-delta", "--check-rate", "-1e9"], "--check-rate"),
+        (["--form", "fp8-delta", "--check-rate", "NaN"], "--check-rate"),
+        (["--form", "fp8-delta", "--check-rate", "1e999"], "--check-rate"),
+        (["--form", "fp8-delta", "--check-rate", ""], "--check-rate"),
         (["--form", "full,"], "--form"),
     ],
 )
@@ -268,6 +317,13 @@ def test_bad_forms_and_fractions_are_usage_errors_naming_the_option(capsys, argv
 def test_a_delta_fraction_without_its_form_is_refused(capsys):
     status, _, err = run(capsys, "simulate", "--replicas", "1", "--form", "full", "--delta-fraction", "0.05")
     assert status == 2 and "--delta-fraction applies to --form delta" in err
+
+
+@pytest.mark.parametrize("option", ["--patch-rate", "--check-rate"])
+@pytest.mark.parametrize("forms", [[], ["--form", "full,fp8"]])
+def test_a_rate_without_a_delta_form_is_refused(capsys, option, forms):
+    status, _, err = run(capsys, "simulate", "--replicas", "1", *forms, option, "100")
+    assert status == 2 and f"{option} applies to --form delta or fp8-delta" in err
 
 
 def test_a_measured_run_of_deltas_is_modelled_by_its_wire_bytes_and_relayed_whole(capsys, tmp_path):
