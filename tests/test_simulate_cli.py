@@ -246,7 +246,7 @@ def test_simulate_by_form_prints_the_1t_goals_met_or_not(capsys, monkeypatch):
     one, ten = result["goals"]  # 10 replicas, not among the rows, simulated for the goal
     assert one["s"] == pytest.approx(row["one_s"]) and not one["met"]
     assert one["s"] == pytest.approx(one["wire_s"] + row["patch_s"] + row["check_s"], abs=1e-3)
-    assert row["patch_s"] == pytest.approx(125e9 / 9.5e9, abs=1e-3)  # a host's 125 GB of bf16 on one core
+    assert row["patch_s"] == pytest.approx(125e9 / 15.0e9, abs=1e-3)  # a host's 125 GB of bf16 on one core
     assert ten["replicas"] == 10 and one["s"] < ten["s"] and not ten["met"]
     assert one["wire_s"] < ten["wire_s"] <= 1.5  # on the wire alone both were met
     # at the rate a goal needs, it is met; a little under it, not
@@ -276,7 +276,7 @@ def test_a_patch_takes_time_in_proportion_to_its_deltas_fraction(capsys, monkeyp
     ]
     assert rows[1]["patch_s"] == pytest.approx(rows[0]["patch_s"] / 2, rel=1e-3)  # half the words changed
     assert (
-        rows[1]["check_s"] == rows[0]["check_s"] == pytest.approx(62.5e9 / (16 * 7.3e9), abs=1e-3)
+        rows[1]["check_s"] == rows[0]["check_s"] == pytest.approx(62.5e9 / (16 * 11.56e9), abs=1e-3)
     )  # the whole version
 
 
