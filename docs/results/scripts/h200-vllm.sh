@@ -171,9 +171,11 @@ run() {  # on the device, with every part stashed: install, verify, then the job
             [ "$job" = tiny ] && preset=tiny
             # At the limit a Ctrl-C, so that the bench stops its engines and the fresh engines'
             # process (nothing left holding GPU memory for the next job); SIGKILL 20 s later.
+            # vLLM logs to stdout too: the JSON is the last line that is one.
             timeout -s INT -k 20 "$limit" python3 -m weightpull bench vllm --preset "$preset" ${BENCH_ARGS:-} \
-                --json >"$OUT/vllm-$preset.json" 2>"$OUT/vllm-$preset.err"
+                --json >"$OUT/vllm-$preset.out" 2>"$OUT/vllm-$preset.err"
             echo "bench exit $?"
+            grep '^{' "$OUT/vllm-$preset.out" | tail -1 >"$OUT/vllm-$preset.json" && rm -f "$OUT/vllm-$preset.out"
             grep -v -E "it/s\]|s/it\]" "$OUT/vllm-$preset.err" | grep -E "^\[vllm-bench\]|^(ok|FAIL) |Error" |
                 tail -${TAIL:-40}
             ;;
