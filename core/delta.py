@@ -31,12 +31,13 @@ their tests hold them to.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
 from . import schema
-from .digests import kind_of, numpy_or_none
+from .digests import check_threads, kind_of, numpy_or_none, worth_threads
 from .errors import DigestMismatchError, InvalidArgumentError
 
 __all__ = ["SPARSE16", "Delta", "check_publishing", "encode", "patch", "pieces", "room_for", "word_of"]
@@ -45,6 +46,7 @@ SPARSE16 = "sparse16"
 ENCODINGS = (SPARSE16,)
 CHUNK = 1 << 16  # words per chunk: an offset in one fits 16 bits
 WORDS = (1, 2, 4, 8)  # word sizes, in bytes
+GROUP = 256  # chunks a patch does as one (16 Mi words): its indices held at once, a thread's unit of work
 
 
 def _strings(items: Iterable[str]) -> tuple[str, ...]:
@@ -176,16 +178,38 @@ def encode(old: memoryview, new: memoryview, word: int, into: memoryview) -> tup
     return size, changed
 
 
-def patch(target: memoryview, section: memoryview, word: int) -> None:
-    """Apply a section `encode` made to `target`, which holds the base's bytes: it then
-    holds the version's.
+def patch(
+    target: memoryview,
+    section: memoryview,
+    word: int,
+    *,
+    base: memoryview | None = None,
+    threads: int | None = None,
+) -> None:
+    """Apply a section `encode` made to `target`, which holds the base's bytes (or, with
+    `base`, is given them from it first): it then holds the version's.
+
+    The slot is patched in groups of `GROUP` chunks on `threads` threads (None:
+    `check_threads()`, one per core): numpy's copy, index arithmetic and scatter release
+    the GIL, so the groups patch at once, each copying its part of `base` in first (while
+    it is still in cache). With one thread, a small target or no numpy, in turn.
 
     Raises:
+        InvalidArgumentError: `target` is not whole words, `base` is not its size, or
+            `threads` is not a positive int or None.
         DigestMismatchError: the section is malformed for a target of this size (its
             counts, offsets or size do not add up); `target` may then be partly patched.
     """
+    if threads is None:
+        threads = check_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+    if base is not None and len(base) != len(target):
+        raise InvalidArgumentError(f"a base of {len(base)} bytes for a target of {len(target)}: they must be one size")
     np = numpy_or_none()
     if np is None:
+        if base is not None:
+            target[:] = base
         patch_reference(target, section, word)
         return
     if len(target) % word:
@@ -193,22 +217,34 @@ def patch(target: memoryview, section: memoryview, word: int) -> None:
     words = len(target) // word
     chunks = -(-words // CHUNK)
     counts, offsets_at, values_at, changed = _counts(section, words, word, np)
-    t = np.frombuffer(target, dtype=np.dtype(f"<u{word}"))
+    dtype = np.dtype(f"<u{word}")
+    t = np.frombuffer(target, dtype=dtype)
+    b = None if base is None else np.frombuffer(base, dtype=dtype)
     offsets = np.frombuffer(section, dtype="<u2", count=changed, offset=offsets_at)
-    values = np.frombuffer(section, dtype=np.dtype(f"<u{word}"), count=changed, offset=values_at)
-    ends = np.cumsum(counts, dtype=np.int64)
-    step = 256  # chunks at a time: the indices of 16 Mi words, not of the whole slot, held at once
-    for first in range(0, chunks, step):
-        last = min(first + step, chunks)
-        lo = int(ends[first - 1]) if first else 0
-        hi = int(ends[last - 1])
+    values = np.frombuffer(section, dtype=dtype, count=changed, offset=values_at)
+    ends = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+
+    def run(first: int) -> None:
+        last = min(first + GROUP, chunks)
+        if b is not None:
+            lo_w, hi_w = first * CHUNK, min(last * CHUNK, words)
+            np.copyto(t[lo_w:hi_w], b[lo_w:hi_w])
+        lo, hi = int(ends[first]), int(ends[last])
         if hi == lo:
-            continue
+            return
         which = np.repeat(np.arange(first, last, dtype=np.int64), counts[first:last])
         idx = (which << 16) + offsets[lo:hi]
         if int(idx.max()) >= words:
             raise DigestMismatchError(f"a delta section names word {int(idx.max())} of a copy of {words} words")
         t[idx] = values[lo:hi]
+
+    groups = range(0, chunks, GROUP)
+    if len(groups) == 1 or not worth_threads(len(target), threads):
+        for first in groups:
+            run(first)
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(groups)), thread_name_prefix="weightpull-patch") as pool:
+        list(pool.map(run, groups))  # the first group's error, if any, raised here
 
 
 def _counts(section: memoryview, words: int, word: int, np: Any) -> tuple[Any, int, int, int]:

@@ -141,6 +141,11 @@ def check_threads() -> int:
     return os.cpu_count() or 1
 
 
+def worth_threads(nbytes: int, threads: int) -> bool:
+    """Whether work over `nbytes` on `threads` threads is worth starting them (numpy there)."""
+    return threads > 1 and nbytes >= _THREADED and numpy_or_none() is not None
+
+
 def _wsum64_parts(offset: int, nbytes: int) -> list[tuple[int, int]]:
     """(byte offset, bytes) of the pieces of a wsum64 span: each starts on a word."""
     return [(offset + at, min(PIECE, nbytes - at)) for at in range(0, nbytes, PIECE)] or [(offset, 0)]
@@ -169,7 +174,7 @@ def first_mismatch(
     if len(spans) != len(recorded):
         raise InvalidArgumentError(f"{len(recorded)} digests for {len(spans)} spans")
     total = sum(n for _, n in spans)
-    if threads == 1 or total < _THREADED or numpy_or_none() is None:
+    if not worth_threads(total, threads):
         return next(
             (i for i, ((o, n), d) in enumerate(zip(spans, recorded, strict=True)) if not matches(view[o : o + n], d)),
             None,

@@ -303,7 +303,8 @@ class Puller:
     With `deltas` (the default), a version published with a delta against a version this
     puller holds, verified, in a host mirror (`Publisher(deltas=True)`) is read as its
     delta alone: the section is checked against its digests, the copy of the base
-    patched, and the result checked against the version's digests; a section that does
+    patched (on the check's threads, `puller.checker.threads`: one per core by default),
+    and the result checked against the version's digests; a section that does
     not match, from a relay, is a failed relay (read afresh elsewhere); any other patch
     that does not match is read whole, under the same lease (docs/guides/bytes.md). A
     puller with `host` also reads a version's delta section when it reads it whole, so
@@ -804,12 +805,17 @@ class Puller:
         why = f"piece {bad} of its delta does not match its digest"
         self.mirror_version = None  # overwritten from here on
         if bad is None:
-            if base is not mirror:  # the base is in the spare mirror, which relays still read: patch a copy
-                held = base.host_view()
-                await anyio.to_thread.run_sync(lambda: view.__setitem__(slice(0, total), held[:total]))
+            # the base in the spare mirror, which relays still read, is patched in a copy
+            held = None if base is mirror else base.host_view()[:total]
             try:
                 await anyio.to_thread.run_sync(
-                    lambda: patch(view[:total], view[total : total + delta.nbytes], delta.word)
+                    lambda: patch(
+                        view[:total],
+                        view[total : total + delta.nbytes],
+                        delta.word,
+                        base=held,
+                        threads=self.checker.threads,
+                    )
                 )
                 await self.checker.verify(manifest, mirror)
             except DigestMismatchError as exc:

@@ -118,6 +118,76 @@ def test_a_malformed_section_is_a_mismatch_not_a_crash(apply):
         apply(target, memoryview(bytes(past)), 2)
 
 
+class Pools:
+    """`ThreadPoolExecutor` for `weightpull.delta`, noting each pool's workers and jobs."""
+
+    def __init__(self, monkeypatch):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.made: list[tuple[int, int]] = []
+        made = self.made
+
+        class Noted(ThreadPoolExecutor):
+            def map(self, fn, jobs):
+                jobs = list(jobs)
+                made.append((self._max_workers, len(jobs)))
+                return super().map(fn, jobs)
+
+        monkeypatch.setattr(deltas, "ThreadPoolExecutor", Noted)
+
+
+@pytest.mark.parametrize("word", [1, 2, 8])
+def test_a_patch_on_threads_group_by_group_is_the_reference(monkeypatch, word):
+    """Patched in groups of one chunk on 3 threads (threaded at any size here), with the
+    base given apart or already in the target: the version's bytes, as in turn."""
+    from weightpull import digests
+
+    monkeypatch.setattr(deltas, "GROUP", 1)
+    monkeypatch.setattr(digests, "_THREADED", 0)
+    pools = Pools(monkeypatch)
+    old, new = pair(11 * deltas.CHUNK * word // 2 + 8 * 3, word, 0.03, 7)  # 6 chunks, the last short
+    into = bytearray(len(new))
+    size, _ = deltas.encode(memoryview(old), memoryview(new), word, memoryview(into))
+    section = memoryview(into)[:size]
+    target = bytearray(old)
+    deltas.patch(memoryview(target), section, word, threads=3)
+    assert target == new
+    target = bytearray(random.Random(1).randbytes(len(old)))  # the base given apart: none of it held
+    deltas.patch(memoryview(target), section, word, base=memoryview(old), threads=3)
+    assert target == new
+    assert pools.made == [(3, 6), (3, 6)]
+    deltas.patch(memoryview(bytearray(old)), section, word, threads=1)  # one thread: in turn, no pool
+    assert len(pools.made) == 2
+
+
+def test_a_malformed_section_on_threads_is_still_a_mismatch(monkeypatch):
+    from weightpull import digests
+
+    monkeypatch.setattr(deltas, "GROUP", 1)
+    monkeypatch.setattr(digests, "_THREADED", 0)
+    words = 3 * deltas.CHUNK + 500  # the fourth chunk holds 500 words
+    old, new = pair(2 * words, 2, 0.01, 3)
+    into = bytearray(2 * words)
+    size, _ = deltas.encode(memoryview(old), memoryview(new), 2, memoryview(into))
+    past = bytearray(into[:size])
+    counts = [int.from_bytes(past[4 * c : 4 * c + 4], "little") for c in range(4)]
+    first_of_last = 16 + 2 * sum(counts[:3])  # the last chunk's first offset
+    past[first_of_last : first_of_last + 2] = (600).to_bytes(2, "little")
+    with pytest.raises(DigestMismatchError, match=f"names word {3 * deltas.CHUNK + 600}"):
+        deltas.patch(memoryview(bytearray(old)), memoryview(bytes(past)), 2, threads=4)
+
+
+def test_a_patch_refuses_bad_threads_and_a_base_of_another_size():
+    old, new = pair(1000, 2, 0.05, 2)
+    into = bytearray(1000)
+    size, _ = deltas.encode(memoryview(old), memoryview(new), 2, memoryview(into))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
+            deltas.patch(memoryview(bytearray(old)), memoryview(into)[:size], 2, threads=bad)
+    with pytest.raises(InvalidArgumentError, match="a base of 998 bytes for a target of 1000"):
+        deltas.patch(memoryview(bytearray(old)), memoryview(into)[:size], 2, base=memoryview(old[:998]))
+
+
 def test_the_record_refuses_what_it_cannot_be():
     with pytest.raises(InvalidArgumentError, match="unknown delta encoding 'rle'"):
         Delta(1, 10, 100, 2, (), encoding="rle")
