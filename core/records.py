@@ -57,6 +57,8 @@ class VersionInfo(schema.Record):
         slots: Of a sharded version, (publisher, slot) of every shard begun.
         step: The step its publisher gave it (`Manifest.step`: the number it asked
             for, its training step, say), once its manifest is known.
+        delta: Of a version published with a delta (`Manifest.delta`): (the version
+            it is the changes from, the delta section's bytes); None for any other.
     """
 
     version: int
@@ -72,6 +74,7 @@ class VersionInfo(schema.Record):
     # `publisher` and `slot` above; empty for a version one publisher writes.
     slots: tuple[tuple[str, int], ...] = ()
     step: int | None = None  # the step its publisher gave (its manifest's), if any
+    delta: tuple[int, int] | None = None  # (base, section bytes) of a version with a delta
 
 
 @attrs.frozen
@@ -213,7 +216,7 @@ class RegistryStatus(schema.Record):
 
 # `alive` is sent only when the registry judges liveness, `offers` only when a relay
 # offers, `pulls` only once a replica reported one, `lapsed` only after a lapse, a
-# version's `step` only when its publisher gave one, `committed` only for a streaming version, `slots` only for a sharded one, and a
+# version's `step` only when its publisher gave one, its `delta` only when it has one, `committed` only for a streaming version, `slots` only for a sharded one, and a
 # progress's or a lease's `source` only for a relay's copy: records without them read as
 # ever, and older peers never see them.
 schema.converter.register_unstructure_hook_factory(
@@ -245,6 +248,7 @@ schema.converter.register_unstructure_hook_factory(
         committed=override(omit_if_default=True),
         slots=override(omit_if_default=True),
         step=override(omit_if_default=True),
+        delta=override(omit_if_default=True),
     ),
 )
 schema.converter.register_unstructure_hook_factory(

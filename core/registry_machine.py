@@ -159,6 +159,12 @@ def check_int(what: str, value: object) -> int:
     return value
 
 
+def _delta_of(manifest: Manifest | None) -> tuple[int, int] | None:
+    """(base, section bytes) of a manifest's delta, as the status shows it; None without one."""
+    delta = None if manifest is None else manifest.delta
+    return None if delta is None else (delta.base, delta.nbytes)
+
+
 def _check_pull(pull: object) -> None:
     if not isinstance(pull, PullReport):
         raise InvalidArgumentError(f"pull must be a PullReport, got {type(pull).__name__}")
@@ -930,6 +936,7 @@ class RegistryMachine:
                     committed=record.committed if record.state is VersionState.STREAMING else None,
                     slots=tuple(record.slots()) if record.shards is not None else (),
                     step=record.manifest.step if record.manifest else None,
+                    delta=_delta_of(record.manifest),
                 )
             )
             leases += [LeaseInfo(x.id, x.version, x.holder, x.expires_at - now, x.source) for x in live]

@@ -553,7 +553,8 @@ def _table(rows: list[list[str]]) -> list[str]:
 def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table `status` shows, plain or live: each publisher's
     newest version (its state, age and how long its liveness has left), every version with
-    the reason it was aborted or withdrawn (and, streaming, the buckets committed so far),
+    the reason it was aborted or withdrawn (and, streaming, the buckets committed so far;
+    published with a delta, its base and the delta's size),
     the live leases, what each replica serves (and its last pull: when, GB/s, from which
     source), each relay's offer (the buckets its mirror holds of the version's, the leases reading
     from it of its cap), each principal's liveness (how long until the registry takes it
@@ -565,7 +566,7 @@ def _status_sections(status: Any) -> list[tuple[str, list[str], list[list[str]]]
             "-" if v.step is None else str(v.step),
             v.publisher,
             str(v.slot),
-            _size(v.nbytes),
+            _size(v.nbytes) if v.delta is None else f"{_size(v.nbytes)} (delta of v{v.delta[0]}: {_size(v.delta[1])})",
             f"{v.age:.1f} s",
             str(v.live_leases),
             v.reason,

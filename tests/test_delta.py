@@ -240,6 +240,13 @@ async def test_each_version_records_its_changes_from_the_last(world):
     assert publisher.metrics()["publish/delta_bytes"] == delta.nbytes
     grown = await publisher.publish(3, {**model(3), "extra": HostTensor("bfloat16", (8,), bytes(16))})
     assert grown.manifest.delta is None  # another layout: no base for it
+    # the status says which versions have a delta, of what and how large: the CLI's table too
+    from weightpull.integrations.cli import _status_sections
+
+    status = await world.registry.status()
+    assert {v.version: v.delta for v in status.versions} == {2: (1, delta.nbytes), 3: None}  # v1 retired
+    sizes = [row[5] for title, _, rows in _status_sections(status) if title == "versions" for row in rows]
+    assert sizes == [f"12.0 KiB (delta of v1: {delta.nbytes} B)", "12.2 KiB"]  # a version's slot bytes
 
 
 async def test_a_delta_over_its_room_is_left_out(world):

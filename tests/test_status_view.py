@@ -88,6 +88,9 @@ def test_the_new_fields_are_left_out_until_used_and_older_records_read_as_ever()
     assert "step" not in VersionInfo(1, VersionState.READY, "trainer", 0, 8, 1.0, 0).to_dict()
     stepped = VersionInfo(1, VersionState.READY, "trainer", 0, 8, 1.0, 0, step=7)
     assert VersionInfo.from_dict(stepped.to_dict()) == stepped
+    assert "delta" not in stepped.to_dict()
+    patched = VersionInfo(2, VersionState.READY, "trainer", 1, 8, 1.0, 0, delta=(1, 40))
+    assert patched.to_dict()["delta"] == [1, 40] and VersionInfo.from_dict(patched.to_dict()) == patched
 
 
 # -- through the served registry and the command line -----------------------------------------------
