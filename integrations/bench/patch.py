@@ -1,0 +1,145 @@
+"""What a replica does once a delta's bytes are in, on 1 to N threads: `weightpull.delta.patch`
+of a bf16 and of an fp8 version (in place, and from a base held apart, as a relay's spare
+mirror is patched), and the whole version's check (`digests.first_mismatch`, wsum64 in 64 MiB
+buckets). Each is timed beside a plain copy of the same bytes on as many threads (what the
+memory allows those threads) and against its own time on one thread, in one run.
+
+The changes are the measured ones (docs/guides/bytes.md): 1.90% of bf16 words, 0.95% of fp8
+bytes, at random places. Rates are bytes of the whole version a second, as `simulate`'s
+`--patch-rate` and `--check-rate` count them.
+
+    python -m weightpull.integrations.bench.patch [--size 512M] [--threads 1,2] [--repeat 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from weightpull import delta as deltas
+from weightpull import digests
+
+FORMS = {"bf16": (2, 0.0190), "fp8": (1, 0.0095)}  # word, share of words changed
+BUCKET = 64 << 20
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def copy_on(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
+    """`src` into `dst` (bytes), in `threads` parts at once: the memory's copy rate."""
+    edges = np.linspace(0, len(src), threads + 1, dtype=np.int64)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(lambda i: np.copyto(dst[edges[i] : edges[i + 1]], src[edges[i] : edges[i + 1]]), range(threads)))
+
+
+def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> dict[str, Any]:
+    """Seconds of each step (best of `repeat`) on each thread count, each patched copy and
+    check asserted exact."""
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    target = old.copy()  # its pages touched: no first-touch faults in the first timing
+    seconds: dict[str, dict[int, float]] = {}
+    spans = [(o, min(BUCKET, nbytes - o)) for o in range(0, nbytes, BUCKET)]
+    sections = {}
+    for form, (word, share) in FORMS.items():
+        new = old.copy()
+        words = nbytes // word
+        where = rng.choice(words, int(words * share), replace=False)
+        new[where * word] ^= 0x5A
+        room = np.empty(4 * -(-words // deltas.CHUNK) + 8 + (2 + word) * len(where), dtype=np.uint8)
+        got = deltas.encode(memoryview(old), memoryview(new), word, memoryview(room))
+        assert got is not None and got[1] == len(where), "the delta did not encode every change"
+        sections[form] = (word, memoryview(room)[: got[0]], new)
+    recorded = [digests.digest(memoryview(old)[o : o + n], digests.WSUM64) for o, n in spans]
+    for t in threads:
+        seconds.setdefault("copy", {})[t] = _best(partial(copy_on, target, old, t), repeat)
+        for form, (word, section, new) in sections.items():
+            np.copyto(target, old)
+            in_place = partial(deltas.patch, memoryview(target), section, word, threads=t)
+            seconds.setdefault(f"patch {form}, in place", {})[t] = _best(in_place, repeat)
+            assert np.array_equal(target, new), f"the {form} patch in place did not give the version"
+            target[:] = 0
+            apart = partial(deltas.patch, memoryview(target), section, word, base=memoryview(old), threads=t)
+            seconds.setdefault(f"patch {form}, from a base apart", {})[t] = _best(apart, repeat)
+            assert np.array_equal(target, new), f"the {form} patch from a base did not give the version"
+        check = partial(digests.first_mismatch, memoryview(old), spans, recorded, threads=t)
+        seconds.setdefault("check, wsum64", {})[t] = _best(check, repeat)
+        assert check() is None, "the check found a bucket that does not match"
+    return {"bytes": nbytes, "threads": list(threads), "repeat": repeat, "seconds": seconds}
+
+
+def table(result: dict[str, Any]) -> str:
+    """Each step's GB/s on each thread count, its speed-up over one thread, and its rate
+    over the plain copy's on as many threads."""
+    n, threads, seconds = result["bytes"], result["threads"], result["seconds"]
+    first = threads[0]
+    head = ["step"] + [f"{t} thread{'s' if t > 1 else ''}: GB/s (over {first}, over copy)" for t in threads]
+    rows = [head]
+    for step, by in seconds.items():
+        cells = [step]
+        for t in threads:
+            rate = n / by[t] / 1e9
+            cells.append(f"{rate:.2f} ({by[first] / by[t]:.2f}x, {seconds['copy'][t] / by[t]:.2f})")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"{n / (1 << 20):.0f} MiB, best of {result['repeat']}, rates of the whole version's bytes"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        n = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size such as 512M, got {text!r}") from None
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError(f"a size of at least 1M, got {text!r}")
+    return n
+
+
+def _threads(text: str) -> list[int]:
+    try:
+        got = [int(x) for x in text.split(",")]
+    except ValueError:
+        got = []
+    if not got or any(t < 1 for t in got):
+        raise argparse.ArgumentTypeError(f"thread counts such as 1,2,4 (each at least 1), got {text!r}")
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m weightpull.integrations.bench.patch", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--size", type=_size, default=512 << 20, help="the version's bytes (default: 512M)")
+    p.add_argument(
+        "--threads", type=_threads, default=[1, 2], help="thread counts, the first the baseline (default: 1,2)"
+    )
+    p.add_argument("--repeat", type=int, default=3, help="runs of each step, the best kept (default: 3)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
+    result = measure(args.size, args.threads, args.repeat)
+    print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

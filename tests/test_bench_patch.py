@@ -1,0 +1,47 @@
+"""`python -m weightpull.integrations.bench.patch`: the patch and the check on 1 to N threads,
+beside a plain copy, every patched copy and check asserted exact by the bench itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightpull import delta as deltas
+from weightpull import digests
+from weightpull.integrations.bench import patch
+
+
+def test_each_step_is_timed_on_each_thread_count_and_shown_beside_the_copy(capsys, monkeypatch):
+    monkeypatch.setattr(deltas, "GROUP", 1)  # 4 MiB: threaded, a chunk a group
+    monkeypatch.setattr(digests, "_THREADED", 0)
+    monkeypatch.setattr(patch, "BUCKET", 1 << 20)
+    assert patch.main(["--size", "4M", "--threads", "1,3", "--repeat", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["bytes"] == 4 << 20 and got["threads"] == [1, 3]
+    steps = ["copy", "patch bf16, in place", "patch bf16, from a base apart"]
+    steps += ["patch fp8, in place", "patch fp8, from a base apart", "check, wsum64"]
+    assert list(got["seconds"]) == steps
+    assert all(set(by) == {"1", "3"} and min(by.values()) > 0 for by in got["seconds"].values())
+    shown = patch.table(
+        {**got, "threads": [1, 3], "seconds": {k: {int(t): s for t, s in v.items()} for k, v in got["seconds"].items()}}
+    )
+    assert shown.splitlines()[0].startswith("4 MiB, best of 1") and "3 threads: GB/s (over 1, over copy)" in shown
+    copy = shown.splitlines()[2]
+    assert copy.startswith("copy") and copy.count(", 1.00)") == 2  # the copy over itself
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--size", "12"], "at least 1M"),
+        (["--size", "lots"], "a size such as"),
+        (["--threads", "0"], "thread counts"),
+        (["--threads", "a"], "thread counts"),
+        (["--repeat", "0"], "--repeat must be at least 1"),
+    ],
+)
+def test_bad_arguments_name_what_was_wrong(capsys, argv, why):
+    with pytest.raises(SystemExit) as exc:
+        patch.main(argv)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
