@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from . import schema
-from .digests import check_threads, kind_of, numpy_or_none, worth_threads
+from .digests import kind_of, numpy_or_none, thread_count, worth_threads
 from .errors import DigestMismatchError, InvalidArgumentError
 
 __all__ = ["SPARSE16", "Delta", "check_publishing", "encode", "patch", "pieces", "room_for", "word_of"]
@@ -46,7 +46,7 @@ SPARSE16 = "sparse16"
 ENCODINGS = (SPARSE16,)
 CHUNK = 1 << 16  # words per chunk: an offset in one fits 16 bits
 WORDS = (1, 2, 4, 8)  # word sizes, in bytes
-GROUP = 256  # chunks a patch does as one (16 Mi words): its indices held at once, a thread's unit of work
+GROUP = 256  # chunks encoded or patched as one (16 Mi words): its indices held at once, a thread's unit of work
 
 
 def _strings(items: Iterable[str]) -> tuple[str, ...]:
@@ -139,9 +139,21 @@ def _layout(words: int, changed: int, word: int) -> tuple[int, int, int]:
     return offsets, values, values + word * changed
 
 
-def encode(old: memoryview, new: memoryview, word: int, into: memoryview) -> tuple[int, int] | None:
+def encode(
+    old: memoryview, new: memoryview, word: int, into: memoryview, *, threads: int | None = None
+) -> tuple[int, int] | None:
     """Write into `into` the section that turns `old`'s bytes into `new`'s (equal sizes, a
-    multiple of `word`): (its bytes, the words changed), or None when it would not fit."""
+    multiple of `word`): (its bytes, the words changed), or None when it would not fit.
+
+    The words are compared in groups of `GROUP` chunks on `threads` threads (None: one
+    per core; numpy's compare and gathers release the GIL), and the section written in
+    order as the groups finish.
+
+    Raises:
+        InvalidArgumentError: the copies differ in size or are not whole words, or
+            `threads` is not a positive int or None.
+    """
+    threads = thread_count(threads)
     np = numpy_or_none()
     if np is None:
         return encode_reference(old, new, word, into)
@@ -149,30 +161,43 @@ def encode(old: memoryview, new: memoryview, word: int, into: memoryview) -> tup
     dtype = np.dtype(f"<u{word}")
     a = np.frombuffer(old, dtype=dtype)
     b = np.frombuffer(new, dtype=dtype)
-    chunks = -(-len(a) // CHUNK)
+    words = len(a)
+    chunks = -(-words // CHUNK)
+
+    def changes(first: int) -> tuple[Any, Any, Any]:
+        """A group's counts a chunk, offsets and new values (its indices, not the slot's, held)."""
+        lo, hi = first * CHUNK, min((first + GROUP) * CHUNK, words)
+        idx = np.flatnonzero(a[lo:hi] != b[lo:hi])
+        counts = np.bincount(idx >> 16, minlength=-(-(hi - lo) // CHUNK)).astype("<u4")
+        return counts, (idx & (CHUNK - 1)).astype("<u2"), b[lo:hi][idx]
+
+    groups = range(0, chunks, GROUP)
+    pool = None
+    if len(groups) > 1 and worth_threads(len(old), threads):
+        pool = ThreadPoolExecutor(max_workers=min(threads, len(groups)), thread_name_prefix="weightpull-encode")
     counts = np.zeros(chunks, dtype="<u4")
-    found_offsets, found_values = [], []
+    found = []
     changed = 0
-    step = CHUNK * 256  # 16 Mi words at a time: the indices of a block, not of the whole slot, held at once
-    for start in range(0, len(a), step):
-        idx = np.flatnonzero(a[start : start + step] != b[start : start + step])
-        changed += len(idx)
-        if _layout(len(a), changed, word)[2] > len(into):
-            return None
-        idx += start
-        counts += np.bincount(idx >> 16, minlength=chunks).astype("<u4")
-        found_offsets.append((idx & (CHUNK - 1)).astype("<u2"))
-        found_values.append(b[idx])
-    offsets_at, values_at, size = _layout(len(a), changed, word)
+    try:
+        for first, (c, o, v) in zip(groups, pool.map(changes, groups) if pool else map(changes, groups), strict=True):
+            changed += len(o)
+            if _layout(words, changed, word)[2] > len(into):
+                return None
+            counts[first : first + len(c)] = c
+            found.append((o, v))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)  # a section that does not fit stops the rest
+    offsets_at, values_at, size = _layout(words, changed, word)
     out = np.frombuffer(into, dtype=np.uint8, count=size)
     out[:offsets_at] = counts.view(np.uint8)
     at = offsets_at
-    for o in found_offsets:
+    for o, _ in found:
         out[at : at + o.nbytes] = o.view(np.uint8)
         at += o.nbytes
     out[at:values_at] = 0
     at = values_at
-    for v in found_values:
+    for _, v in found:
         out[at : at + v.nbytes] = v.view(np.uint8)
         at += v.nbytes
     return size, changed
@@ -200,10 +225,7 @@ def patch(
         DigestMismatchError: the section is malformed for a target of this size (its
             counts, offsets or size do not add up); `target` may then be partly patched.
     """
-    if threads is None:
-        threads = check_threads()
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+    threads = thread_count(threads)
     if base is not None and len(base) != len(target):
         raise InvalidArgumentError(f"a base of {len(base)} bytes for a target of {len(target)}: they must be one size")
     np = numpy_or_none()

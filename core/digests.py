@@ -141,6 +141,19 @@ def check_threads() -> int:
     return os.cpu_count() or 1
 
 
+def thread_count(threads: object) -> int:
+    """`threads` checked (a positive int), or `check_threads()` for None.
+
+    Raises:
+        InvalidArgumentError: it is neither a positive int nor None.
+    """
+    if threads is None:
+        return check_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+    return threads
+
+
 def worth_threads(nbytes: int, threads: int) -> bool:
     """Whether work over `nbytes` on `threads` threads is worth starting them (numpy there)."""
     return threads > 1 and nbytes >= _THREADED and numpy_or_none() is not None
@@ -167,10 +180,7 @@ def first_mismatch(
         InvalidArgumentError: `threads` is not a positive int or None; a recorded digest
             names an unknown kind (as `matches`, at the first span that does).
     """
-    if threads is None:
-        threads = check_threads()
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+    threads = thread_count(threads)
     if len(spans) != len(recorded):
         raise InvalidArgumentError(f"{len(recorded)} digests for {len(spans)} spans")
     total = sum(n for _, n in spans)

@@ -137,17 +137,23 @@ class Pools:
 
 
 @pytest.mark.parametrize("word", [1, 2, 8])
-def test_a_patch_on_threads_group_by_group_is_the_reference(monkeypatch, word):
-    """Patched in groups of one chunk on 3 threads (threaded at any size here), with the
-    base given apart or already in the target: the version's bytes, as in turn."""
+def test_encoded_and_patched_on_threads_group_by_group_is_the_reference(monkeypatch, word):
+    """Encoded on 2 threads and patched on 3, in groups of one chunk (threaded at any size
+    here), with the base given apart or already in the target: the reference's section,
+    and the version's bytes."""
     from weightpull import digests
 
     monkeypatch.setattr(deltas, "GROUP", 1)
     monkeypatch.setattr(digests, "_THREADED", 0)
     pools = Pools(monkeypatch)
     old, new = pair(11 * deltas.CHUNK * word // 2 + 8 * 3, word, 0.03, 7)  # 6 chunks, the last short
-    into = bytearray(len(new))
-    size, _ = deltas.encode(memoryview(old), memoryview(new), word, memoryview(into))
+    into, oracle = bytearray(len(new)), bytearray(len(new))
+    size, changed = deltas.encode(memoryview(old), memoryview(new), word, memoryview(into), threads=2)
+    assert (size, changed) == deltas.encode_reference(memoryview(old), memoryview(new), word, memoryview(oracle))
+    assert into[:size] == oracle[:size]
+    assert deltas.encode(memoryview(old), memoryview(new), word, memoryview(into)[: size - 1], threads=2) is None
+    assert pools.made == [(2, 6), (2, 6)]
+    pools.made.clear()
     section = memoryview(into)[:size]
     target = bytearray(old)
     deltas.patch(memoryview(target), section, word, threads=3)
@@ -177,13 +183,15 @@ def test_a_malformed_section_on_threads_is_still_a_mismatch(monkeypatch):
         deltas.patch(memoryview(bytearray(old)), memoryview(bytes(past)), 2, threads=4)
 
 
-def test_a_patch_refuses_bad_threads_and_a_base_of_another_size():
+def test_encode_and_patch_refuse_bad_threads_and_a_base_of_another_size():
     old, new = pair(1000, 2, 0.05, 2)
     into = bytearray(1000)
     size, _ = deltas.encode(memoryview(old), memoryview(new), 2, memoryview(into))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
             deltas.patch(memoryview(bytearray(old)), memoryview(into)[:size], 2, threads=bad)
+        with pytest.raises(InvalidArgumentError, match="threads must be a positive int"):
+            deltas.encode(memoryview(old), memoryview(new), 2, memoryview(into), threads=bad)
     with pytest.raises(InvalidArgumentError, match="a base of 998 bytes for a target of 1000"):
         deltas.patch(memoryview(bytearray(old)), memoryview(into)[:size], 2, base=memoryview(old[:998]))
 
