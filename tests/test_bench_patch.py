@@ -19,8 +19,8 @@ def test_each_step_is_timed_on_each_thread_count_and_shown_beside_the_copy(capsy
     assert patch.main(["--size", "4M", "--threads", "1,3", "--repeat", "1", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["bytes"] == 4 << 20 and got["threads"] == [1, 3]
-    steps = ["copy", "patch bf16, in place", "patch bf16, from a base apart"]
-    steps += ["patch fp8, in place", "patch fp8, from a base apart", "check, wsum64"]
+    steps = ["copy", "encode bf16 (the publisher)", "patch bf16, in place", "patch bf16, from a base apart"]
+    steps += ["encode fp8 (the publisher)", "patch fp8, in place", "patch fp8, from a base apart", "check, wsum64"]
     assert list(got["seconds"]) == steps
     assert all(set(by) == {"1", "3"} and min(by.values()) > 0 for by in got["seconds"].values())
     shown = patch.table(

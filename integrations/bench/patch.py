@@ -1,7 +1,7 @@
-"""What a replica does once a delta's bytes are in, on 1 to N threads: `weightpull.delta.patch`
-of a bf16 and of an fp8 version (in place, and from a base held apart, as a relay's spare
-mirror is patched), and the whole version's check (`digests.first_mismatch`, wsum64 in 64 MiB
-buckets). Each is timed beside a plain copy of the same bytes on as many threads (what the
+"""A delta's work outside the links, on 1 to N threads: the publisher's `weightpull.delta.encode`
+and, once the bytes are in, a replica's `weightpull.delta.patch` of a bf16 and of an fp8
+version (in place, and from a base held apart, as a relay's spare mirror is patched) and
+its check of the whole version (`digests.first_mismatch`, wsum64 in 64 MiB buckets). Each is timed beside a plain copy of the same bytes on as many threads (what the
 memory allows those threads) and against its own time on one thread, in one run.
 
 The changes are the measured ones (docs/guides/bytes.md): 1.90% of bf16 words, 0.95% of fp8
@@ -62,13 +62,17 @@ def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> 
         where = rng.choice(words, int(words * share), replace=False)
         new[where * word] ^= 0x5A
         room = np.empty(4 * -(-words // deltas.CHUNK) + 8 + (2 + word) * len(where), dtype=np.uint8)
-        got = deltas.encode(memoryview(old), memoryview(new), word, memoryview(room))
+        got = deltas.encode(memoryview(old), memoryview(new), word, memoryview(room), threads=1)
         assert got is not None and got[1] == len(where), "the delta did not encode every change"
-        sections[form] = (word, memoryview(room)[: got[0]], new)
+        sections[form] = (word, memoryview(room)[: got[0]], new, room)  # the section, as encoded in turn
     recorded = [digests.digest(memoryview(old)[o : o + n], digests.WSUM64) for o, n in spans]
     for t in threads:
         seconds.setdefault("copy", {})[t] = _best(partial(copy_on, target, old, t), repeat)
-        for form, (word, section, new) in sections.items():
+        for form, (word, section, new, room) in sections.items():
+            again = np.zeros_like(room)
+            encode = partial(deltas.encode, memoryview(old), memoryview(new), word, memoryview(again), threads=t)
+            seconds.setdefault(f"encode {form} (the publisher)", {})[t] = _best(encode, repeat)
+            assert again[: len(section)].tobytes() == section.tobytes(), f"the {form} delta encoded differently"
             np.copyto(target, old)
             in_place = partial(deltas.patch, memoryview(target), section, word, threads=t)
             seconds.setdefault(f"patch {form}, in place", {})[t] = _best(in_place, repeat)
