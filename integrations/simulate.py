@@ -40,16 +40,18 @@ FP8_DELTA_FRACTION = 0.0142  # an fp8 delta of the same steps, "fp8 ... 0.209 MB
 FP8_FRACTION = 0.576  # block fp8 with its scales, Qwen3-8B (bench fp8_cast on the H200: 9.44 GB of 16.38 GB)
 
 # What a replica does once a delta arrives, per host (docs/guides/bytes.md, "after the bytes"):
-# it patches its copy of the base (`weightpull.delta.patch`, on one thread) and checks the
-# whole version against the publisher's digests (`DigestChecker.verify`, wsum64 on a thread
-# per core). Rates in bytes of the host's whole version a second, measured on one core of
-# the 2-core machine, idle, with the library's own functions on 512 MiB (best of 3); a patch
-# at the measured fractions above (its time scales with the words changed: 1.90% of bf16
-# words, 0.95% of fp8). The check on CHECK_CORES cores at the one core's rate each: two
-# threads measured 1.54-1.65x one, so this is a bound from above.
-PATCH_RATE = {"delta": 15.0e9, "fp8-delta": 16.4e9}  # one core: the puller patches on one thread
+# it patches its copy of the base (`weightpull.delta.patch`) and checks the whole version
+# against the publisher's digests (`DigestChecker.verify`, wsum64), both on a thread per core.
+# Rates in bytes of the host's whole version a second, measured on one core of the 2-core
+# machine, idle, with the library's own functions on 512 MiB (best of 3); a patch at the
+# measured fractions above (its time scales with the words changed: 1.90% of bf16 words,
+# 0.95% of fp8). Each on CORES cores at the one core's rate each: two threads measured
+# less than twice one (`python -m weightpull.integrations.bench.patch`), so these are bounds
+# from above.
+PATCH_RATE_CORE = {"delta": 15.0e9, "fp8-delta": 16.4e9}  # one core
 CHECK_RATE_CORE = 11.56e9  # wsum64 with numpy, one core
-CHECK_CORES = 16  # a host's cores the check runs on by default (the H200 machine measured on has 16)
+CORES = 16  # a host's cores the patch and the check run on by default (the H200 machine measured on has 16)
+PATCH_RATE = {form: rate * CORES for form, rate in PATCH_RATE_CORE.items()}
 
 
 @attrs.frozen
@@ -80,7 +82,7 @@ class Rates:
     form, `PATCH_RATE`), and the check of the whole version after it."""
 
     patch: float | None = None
-    check: float = CHECK_RATE_CORE * CHECK_CORES
+    check: float = CHECK_RATE_CORE * CORES
 
     def patch_for(self, form: str) -> float:
         return self.patch if self.patch is not None else PATCH_RATE[form]
@@ -593,16 +595,16 @@ def add_parser(sub: Any) -> None:
         metavar="GB/s",
         help="with a delta form: a host's patch of its copy of the base, GB/s of its whole version at the measured "
         "fractions (its time scales with the delta's fraction), once per hop before the copy serves (default: "
-        f"measured on one core, as the puller patches on one thread: delta {PATCH_RATE['delta'] / 1e9:g}, "
-        f"fp8-delta {PATCH_RATE['fp8-delta'] / 1e9:g})",
+        f"delta {PATCH_RATE['delta'] / 1e9:g}, fp8-delta {PATCH_RATE['fp8-delta'] / 1e9:g}: measured on one core, "
+        f"{PATCH_RATE_CORE['delta'] / 1e9:g} and {PATCH_RATE_CORE['fp8-delta'] / 1e9:g}, on {CORES} cores)",
     )
     p.add_argument(
         "--check-rate",
         type=_rate,
         metavar="GB/s",
         help="with a delta form: a host's check of the whole version against its digests after the patch, GB/s, "
-        f"once per hop (default: {CHECK_RATE_CORE * CHECK_CORES / 1e9:g}, wsum64 at "
-        f"{CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CHECK_CORES} cores)",
+        f"once per hop (default: {CHECK_RATE_CORE * CORES / 1e9:g}, wsum64 at "
+        f"{CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CORES} cores)",
     )
     p.add_argument("--gbit", type=_positive, default=400.0, help="each host's link, Gbit/s (default: 400)")
     p.add_argument(
@@ -676,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"{option} applies to --form delta or fp8-delta, neither of which was asked for")
     rates = Rates(
         patch=None if args.patch_rate is None else args.patch_rate * 1e9,
-        check=CHECK_RATE_CORE * CHECK_CORES if args.check_rate is None else args.check_rate * 1e9,
+        check=CHECK_RATE_CORE * CORES if args.check_rate is None else args.check_rate * 1e9,
     )
     fractions = Fractions(
         delta=args.delta_fraction or DELTA_FRACTION, fp8_delta=args.fp8_delta_fraction or FP8_DELTA_FRACTION
@@ -727,12 +729,12 @@ def run(args: argparse.Namespace) -> int:
             source = (
                 "given"
                 if args.patch_rate is not None
-                else "measured on one core, as the puller patches on one thread, at the measured fractions"
+                else f"a core's measured rate on {CORES} cores, at the measured fractions"
             )
             check = (
                 "given"
                 if args.check_rate is not None
-                else f"wsum64 at {CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CHECK_CORES} cores"
+                else f"wsum64 at {CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CORES} cores"
             )
             print(
                 f"deltas: each hop patches its host's copy of the base ({patch} GB/s of its whole version: {source}) "
