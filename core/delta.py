@@ -214,10 +214,10 @@ def patch(
     """Apply a section `encode` made to `target`, which holds the base's bytes (or, with
     `base`, is given them from it first): it then holds the version's.
 
-    The slot is patched in groups of `GROUP` chunks on `threads` threads (None:
-    `check_threads()`, one per core): numpy's copy, index arithmetic and scatter release
-    the GIL, so the groups patch at once, each copying its part of `base` in first (while
-    it is still in cache). With one thread, a small target or no numpy, in turn.
+    On `threads` threads (None: one per core), `base` is copied in a part a thread, then
+    the slot patched in groups of `GROUP` chunks: numpy's copy, index arithmetic and
+    scatter release the GIL, so the threads work at once. With one thread, a small
+    target or no numpy, in turn.
 
     Raises:
         InvalidArgumentError: `target` is not whole words, `base` is not its size, or
@@ -246,11 +246,8 @@ def patch(
     values = np.frombuffer(section, dtype=dtype, count=changed, offset=values_at)
     ends = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
 
-    def run(first: int) -> None:
+    def scatter(first: int) -> None:
         last = min(first + GROUP, chunks)
-        if b is not None:
-            lo_w, hi_w = first * CHUNK, min(last * CHUNK, words)
-            np.copyto(t[lo_w:hi_w], b[lo_w:hi_w])
         lo, hi = int(ends[first]), int(ends[last])
         if hi == lo:
             return
@@ -261,12 +258,23 @@ def patch(
         t[idx] = values[lo:hi]
 
     groups = range(0, chunks, GROUP)
-    if len(groups) == 1 or not worth_threads(len(target), threads):
+    n = min(threads, len(groups)) if len(groups) > 1 and worth_threads(len(target), threads) else 1
+    if n == 1:
+        if b is not None:
+            np.copyto(t, b)
         for first in groups:
-            run(first)
+            scatter(first)
         return
-    with ThreadPoolExecutor(max_workers=min(threads, len(groups)), thread_name_prefix="weightpull-patch") as pool:
-        list(pool.map(run, groups))  # the first group's error, if any, raised here
+    edges = [words * i // n for i in range(n + 1)]
+
+    def copy(i: int) -> None:
+        assert b is not None
+        np.copyto(t[edges[i] : edges[i + 1]], b[edges[i] : edges[i + 1]])
+
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="weightpull-patch") as pool:
+        if b is not None:  # one large part a thread: a copy in 32 MiB pieces ran at half a whole one's rate
+            list(pool.map(copy, range(n)))
+        list(pool.map(scatter, groups))  # the first group's error, if any, raised here
 
 
 def _counts(section: memoryview, words: int, word: int, np: Any) -> tuple[Any, int, int, int]:

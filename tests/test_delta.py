@@ -161,9 +161,9 @@ def test_encoded_and_patched_on_threads_group_by_group_is_the_reference(monkeypa
     target = bytearray(random.Random(1).randbytes(len(old)))  # the base given apart: none of it held
     deltas.patch(memoryview(target), section, word, base=memoryview(old), threads=3)
     assert target == new
-    assert pools.made == [(3, 6), (3, 6)]
+    assert pools.made == [(3, 6), (3, 3), (3, 6)]  # the groups; the base copied a part a thread, then the groups
     deltas.patch(memoryview(bytearray(old)), section, word, threads=1)  # one thread: in turn, no pool
-    assert len(pools.made) == 2
+    assert len(pools.made) == 3
 
 
 def test_a_malformed_section_on_threads_is_still_a_mismatch(monkeypatch):
