@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 
-from .digests import WSUM64, first_mismatch, kind_of
+from .digests import WSUM64, first_mismatch, kind_of, thread_count
 from .errors import DigestMismatchError, InvalidArgumentError
 from .manifest import Manifest
 from .settings import Digester, digester_hint
@@ -27,8 +27,8 @@ class DigestChecker:
     """
 
     def __init__(self, device: str, digester: Digester | None, threads: int | None = None) -> None:
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-            raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+        if threads is not None:
+            thread_count(threads)  # a positive int: None (one per core) is kept as None
         self.device, self.digester, self.threads = device, digester, threads
 
     def checkable(self, manifest: Manifest, *, must: bool) -> bool:

@@ -37,6 +37,8 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .util import best_seconds
+
 BLOCKS = (64, 256, 1024, 4096, 65536)  # block sizes tried, in elements
 LAGS = (1, 2, 4)  # versions back the delta is taken against
 CHUNK = 1 << 16  # sparse16's chunk of elements: an offset in it fits 16 bits
@@ -331,15 +333,6 @@ def at_8b(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 # -- the speed of the two units, side by side ---------------------------------------------------
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 def speed(fraction: float, block: int, nbytes: int = 128 << 20, repeat: int = 5, seed: int = 0) -> dict[str, Any]:
     """Seconds to encode (compare, gather) and patch (scatter) `nbytes` of bf16 words with
     `fraction` of them changed at random, by changed blocks of `block` elements and by
@@ -375,13 +368,13 @@ def speed(fraction: float, block: int, nbytes: int = 128 << 20, repeat: int = 5,
         "fraction": fraction,
         "block": block,
         "blocks": {
-            "encode_s": _best(block_encode, repeat),
-            "patch_s": _best(block_patch, repeat),
+            "encode_s": best_seconds(block_encode, repeat),
+            "patch_s": best_seconds(block_patch, repeat),
             "delta_bytes": ids.nbytes + rows.nbytes,
         },
         "sparse": {
-            "encode_s": _best(sparse_encode, repeat),
-            "patch_s": _best(sparse_patch, repeat),
+            "encode_s": best_seconds(sparse_encode, repeat),
+            "patch_s": best_seconds(sparse_patch, repeat),
             "delta_bytes": len(idx) * 4 + 4 * -(-n // CHUNK),  # as sparse16 sends them
         },
     }

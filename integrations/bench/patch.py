@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -26,18 +25,12 @@ import numpy as np
 
 from weightpull import delta as deltas
 from weightpull import digests
+from weightpull.errors import InvalidArgumentError
+
+from .util import best_seconds, parse_size
 
 FORMS = {"bf16": (2, 0.0190), "fp8": (1, 0.0095)}  # word, share of words changed
 BUCKET = 64 << 20
-
-
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def copy_on(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
@@ -67,22 +60,22 @@ def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> 
         sections[form] = (word, memoryview(room)[: got[0]], new, room)  # the section, as encoded in turn
     recorded = [digests.digest(memoryview(old)[o : o + n], digests.WSUM64) for o, n in spans]
     for t in threads:
-        seconds.setdefault("copy", {})[t] = _best(partial(copy_on, target, old, t), repeat)
+        seconds.setdefault("copy", {})[t] = best_seconds(partial(copy_on, target, old, t), repeat)
         for form, (word, section, new, room) in sections.items():
             again = np.zeros_like(room)
             encode = partial(deltas.encode, memoryview(old), memoryview(new), word, memoryview(again), threads=t)
-            seconds.setdefault(f"encode {form} (the publisher)", {})[t] = _best(encode, repeat)
+            seconds.setdefault(f"encode {form} (the publisher)", {})[t] = best_seconds(encode, repeat)
             assert again[: len(section)].tobytes() == section.tobytes(), f"the {form} delta encoded differently"
             np.copyto(target, old)
             in_place = partial(deltas.patch, memoryview(target), section, word, threads=t)
-            seconds.setdefault(f"patch {form}, in place", {})[t] = _best(in_place, repeat)
+            seconds.setdefault(f"patch {form}, in place", {})[t] = best_seconds(in_place, repeat)
             assert np.array_equal(target, new), f"the {form} patch in place did not give the version"
             target[:] = 0
             apart = partial(deltas.patch, memoryview(target), section, word, base=memoryview(old), threads=t)
-            seconds.setdefault(f"patch {form}, from a base apart", {})[t] = _best(apart, repeat)
+            seconds.setdefault(f"patch {form}, from a base apart", {})[t] = best_seconds(apart, repeat)
             assert np.array_equal(target, new), f"the {form} patch from a base did not give the version"
         check = partial(digests.first_mismatch, memoryview(old), spans, recorded, threads=t)
-        seconds.setdefault("check, wsum64", {})[t] = _best(check, repeat)
+        seconds.setdefault("check, wsum64", {})[t] = best_seconds(check, repeat)
         assert check() is None, "the check found a bucket that does not match"
     return {"bytes": nbytes, "threads": list(threads), "repeat": repeat, "seconds": seconds}
 
@@ -107,10 +100,9 @@ def table(result: dict[str, Any]) -> str:
 
 
 def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
-        n = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
-    except ValueError:
+        n = parse_size(text)
+    except InvalidArgumentError:
         raise argparse.ArgumentTypeError(f"a size such as 512M, got {text!r}") from None
     if n < 1 << 20:
         raise argparse.ArgumentTypeError(f"a size of at least 1M, got {text!r}")

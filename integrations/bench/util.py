@@ -10,6 +10,7 @@ import re
 import socket
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,16 @@ def parse_size(text: str) -> int:
     if not m or int(m.group(1)) <= 0:
         raise InvalidArgumentError(f"size must be a positive number of bytes like 256M or 1G, got {text!r}")
     return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
+    """The least of `repeat` timings of `fn()`, in seconds."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def transport_options(pairs: Iterable[str] | None) -> dict[str, Any]:
