@@ -52,6 +52,7 @@ PATCH_RATE_CORE = {"delta": 15.0e9, "fp8-delta": 16.4e9}  # one core
 CHECK_RATE_CORE = 11.56e9  # wsum64 with numpy, one core
 CORES = 16  # a host's cores the patch and the check run on by default (the H200 machine measured on has 16)
 PATCH_RATE = {form: rate * CORES for form, rate in PATCH_RATE_CORE.items()}
+CHECK_RATE = CHECK_RATE_CORE * CORES
 
 
 @attrs.frozen
@@ -82,7 +83,7 @@ class Rates:
     form, `PATCH_RATE`), and the check of the whole version after it."""
 
     patch: float | None = None
-    check: float = CHECK_RATE_CORE * CORES
+    check: float = CHECK_RATE
 
     def patch_for(self, form: str) -> float:
         return self.patch if self.patch is not None else PATCH_RATE[form]
@@ -603,7 +604,7 @@ def add_parser(sub: Any) -> None:
         type=_rate,
         metavar="GB/s",
         help="with a delta form: a host's check of the whole version against its digests after the patch, GB/s, "
-        f"once per hop (default: {CHECK_RATE_CORE * CORES / 1e9:g}, wsum64 at "
+        f"once per hop (default: {CHECK_RATE / 1e9:g}, wsum64 at "
         f"{CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CORES} cores)",
     )
     p.add_argument("--gbit", type=_positive, default=400.0, help="each host's link, Gbit/s (default: 400)")
@@ -678,7 +679,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"{option} applies to --form delta or fp8-delta, neither of which was asked for")
     rates = Rates(
         patch=None if args.patch_rate is None else args.patch_rate * 1e9,
-        check=CHECK_RATE_CORE * CORES if args.check_rate is None else args.check_rate * 1e9,
+        check=CHECK_RATE if args.check_rate is None else args.check_rate * 1e9,
     )
     fractions = Fractions(
         delta=args.delta_fraction or DELTA_FRACTION, fp8_delta=args.fp8_delta_fraction or FP8_DELTA_FRACTION
