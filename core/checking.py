@@ -5,6 +5,8 @@ they are wsum64, by a `Digester` where the mirror lies (a GPU's too).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import anyio
 
 from .digests import WSUM64, first_mismatch, kind_of, thread_count
@@ -70,6 +72,26 @@ class DigestChecker:
             )
         self.checkable(manifest, must=True)
 
+    async def first_mismatch(
+        self, region: Region, spans: Sequence[tuple[int, int]], digests: Sequence[str]
+    ) -> int | None:
+        """The position of the first (offset, nbytes) span of `region` whose bytes do not
+        match its digest, if one does not: by `digester` where they are all wsum64 (where
+        the region lies, a GPU's too), else over the host's bytes, any kind, on `threads`
+        threads. Spans past the digests go unchecked (a version recorded without)."""
+        digester = self.digester if digests and all(kind_of(d) == WSUM64 for d in digests) else None
+
+        def check() -> int | None:
+            if digester is not None:
+                got = list(digester(region, list(spans)))
+                if len(got) != len(spans):
+                    raise InvalidArgumentError(f"the digester gave {len(got)} digests for {len(spans)} spans")
+                return next((i for i, (want, have) in enumerate(zip(digests, got, strict=False)) if have != want), None)
+            n = min(len(spans), len(digests))
+            return first_mismatch(region.host_view(), list(spans[:n]), digests[:n], threads=self.threads)
+
+        return await anyio.to_thread.run_sync(check)
+
     async def verify(self, manifest: Manifest, mirror: Region, source: str = "") -> None:
         """Every bucket of the copy in `mirror` against the publisher's digests: by
         `digester` where they are wsum64 (where the mirror lies, a GPU's too), else over
@@ -80,20 +102,7 @@ class DigestChecker:
                 relay it was read from (if any).
         """
         buckets, digests = manifest.layout.buckets, manifest.digests or ()  # no digests: nothing to check
-        digester = self.digester if digests and all(kind_of(d) == WSUM64 for d in digests) else None
-
-        def check() -> int | None:
-            """The position of the first bucket that does not match, if one does not."""
-            if digester is not None:
-                got = list(digester(mirror, [(b.offset, b.nbytes) for b in buckets]))
-                if len(got) != len(buckets):
-                    raise InvalidArgumentError(f"the digester gave {len(got)} digests for {len(buckets)} buckets")
-                return next((i for i, (want, have) in enumerate(zip(digests, got, strict=False)) if have != want), None)
-            n = min(len(buckets), len(digests))  # any kind the publisher recorded, on `threads` threads
-            spans = [(b.offset, b.nbytes) for b in buckets[:n]]
-            return first_mismatch(mirror.host_view(), spans, digests[:n], threads=self.threads)
-
-        bad = await anyio.to_thread.run_sync(check)
+        bad = await self.first_mismatch(mirror, [(b.offset, b.nbytes) for b in buckets], digests)
         if bad is None:
             return
         index, kind = buckets[bad].index, kind_of(digests[bad])

@@ -131,7 +131,7 @@ def pieces(total: int, nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
     return [(total + start, min(bucket_bytes, nbytes - start)) for start in range(0, nbytes, bucket_bytes)]
 
 
-def _layout(words: int, changed: int, word: int) -> tuple[int, int, int]:
+def section_layout(words: int, changed: int, word: int) -> tuple[int, int, int]:
     """(offsets' start, values' start, size) of a section of `changed` words of `word` bytes."""
     chunks = -(-words // CHUNK)
     offsets = 4 * chunks
@@ -181,14 +181,14 @@ def encode(
     try:
         for first, (c, o, v) in zip(groups, pool.map(changes, groups) if pool else map(changes, groups), strict=True):
             changed += len(o)
-            if _layout(words, changed, word)[2] > len(into):
+            if section_layout(words, changed, word)[2] > len(into):
                 return None
             counts[first : first + len(c)] = c
             found.append((o, v))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)  # a section that does not fit stops the rest
-    offsets_at, values_at, size = _layout(words, changed, word)
+    offsets_at, values_at, size = section_layout(words, changed, word)
     out = np.frombuffer(into, dtype=np.uint8, count=size)
     out[:offsets_at] = counts.view(np.uint8)
     at = offsets_at
@@ -284,7 +284,7 @@ def _counts(section: memoryview, words: int, word: int, np: Any) -> tuple[Any, i
         raise DigestMismatchError(f"a delta section of {len(section)} bytes is too short for {chunks} chunk counts")
     counts = np.frombuffer(section, dtype="<u4", count=chunks)
     changed = int(counts.sum(dtype=np.int64))
-    offsets_at, values_at, size = _layout(words, changed, word)
+    offsets_at, values_at, size = section_layout(words, changed, word)
     if size != len(section) or (counts > CHUNK).any():
         raise DigestMismatchError(
             f"a delta section of {len(section)} bytes does not add up: its counts say {changed} words, {size} bytes"
@@ -310,7 +310,7 @@ def encode_reference(old: memoryview, new: memoryview, word: int, into: memoryvi
     a, b = bytes(old), bytes(new)
     words = len(a) // word
     changed_at = [i for i in range(words) if a[i * word : (i + 1) * word] != b[i * word : (i + 1) * word]]
-    offsets_at, values_at, size = _layout(words, len(changed_at), word)
+    offsets_at, values_at, size = section_layout(words, len(changed_at), word)
     if size > len(into):
         return None
     counts = [0] * -(-words // CHUNK)
@@ -336,7 +336,7 @@ def patch_reference(target: memoryview, section: memoryview, word: int) -> None:
     if len(raw) < 4 * chunks:
         raise DigestMismatchError(f"a delta section of {len(raw)} bytes is too short for {chunks} chunk counts")
     counts = [int.from_bytes(raw[4 * c : 4 * c + 4], "little") for c in range(chunks)]
-    offsets_at, values_at, size = _layout(words, sum(counts), word)
+    offsets_at, values_at, size = section_layout(words, sum(counts), word)
     if size != len(raw) or any(c > CHUNK for c in counts):
         raise DigestMismatchError(
             f"a delta section of {len(raw)} bytes does not add up: its counts say {sum(counts)} words, {size} bytes"

@@ -30,8 +30,7 @@ from . import transports
 from .checking import DigestChecker
 from .clock import Clock, MonotonicClock
 from .connections import Connections
-from .delta import patch
-from .digests import matches
+from .delta import Delta, patch
 from .errors import (
     DigestMismatchError,
     InvalidArgumentError,
@@ -61,7 +60,7 @@ from .manifest import Manifest
 from .records import Progress, PullReport
 from .registry import Lease, Registry, RelayingRegistry, ReservingRegistry, as_streaming
 from .relaying import RelayServer
-from .settings import Digester, LeaseSettings, PullerSettings, RelaySettings, merge
+from .settings import Digester, LeaseSettings, Patcher, PullerSettings, RelaySettings, merge, patcher_hint
 from .states import VersionState
 from .transport import Region, Remote, Transport, fault_in
 
@@ -301,14 +300,17 @@ class Puller:
     prefetch, at the cost of one more buffer the size of a version on `device`.
 
     With `deltas` (the default), a version published with a delta against a version this
-    puller holds, verified, in a host mirror (`Publisher(deltas=True)`) is read as its
-    delta alone: the section is checked against its digests, the copy of the base
-    patched (on the check's threads, `puller.checker.threads`: one per core by default),
-    and the result checked against the version's digests; a section that does
-    not match, from a relay, is a failed relay (read afresh elsewhere); any other patch
-    that does not match is read whole, under the same lease (docs/guides/bytes.md). A
-    puller with `host` also reads a version's delta section when it reads it whole, so
-    that as a relay it serves deltas of what it holds.
+    puller holds, verified (`Publisher(deltas=True)`), is read as its delta alone: the
+    section is checked against its digests, the copy of the base patched, and the result
+    checked against the version's digests; a section that does not match, from a relay,
+    is a failed relay (read afresh elsewhere); any other patch that does not match is
+    read whole, under the same lease (docs/guides/bytes.md). A host mirror is patched on
+    the check's threads (`puller.checker.threads`: one per core by default); a mirror on a
+    GPU where it lies, by `patcher` (and checked by `digester`), else it reads every
+    version whole. The base may lie in this mirror, the spare one a relay keeps, or the
+    mirror of one of `siblings` (a replica's other puller), copied from. A puller with
+    `host` also reads a version's delta section when it reads it whole, so that as a
+    relay it serves deltas of what it holds.
 
     Args:
         registry: The registry versions are leased from (a `StreamingRegistry` with
@@ -332,6 +334,9 @@ class Puller:
             (but those of bytes read from relays).
         digester: Computes wsum64 digests where a GPU mirror lies (a `Digester`, as a
             publisher's; `weightpull.integrations.torch_digests.wsum64_digests`).
+        patcher: Patches a delta where a GPU mirror lies (a `Patcher`;
+            `weightpull.integrations.torch_delta.patch_region`); needs `digester`. None:
+            such a mirror reads every version whole. Host mirrors need none.
         clock: The local clock; `MonotonicClock` if None.
         lease: The lease settings (`LeaseSettings`: `ttl`, `renew_every`,
             `stall_timeout`).
@@ -344,8 +349,9 @@ class Puller:
     Raises:
         InvalidArgumentError: a setting is out of range or breaks a rule with another
             (all named at once), a flat argument contradicts `lease`/`relaying`, the
-            registry cannot stream (`stream`) or hand out sources (`host`), or a relay's
-            mirror would be fed through host staging (it cannot be exported).
+            registry cannot stream (`stream`) or hand out sources (`host`), a relay's
+            mirror would be fed through host staging (it cannot be exported), or a
+            `patcher` on a GPU has no `digester` to check what it patched.
     """
 
     def __init__(
@@ -360,6 +366,7 @@ class Puller:
         stream: bool = False,
         verify_digests: bool | None = None,
         digester: Digester | None = None,
+        patcher: Patcher | None = None,
         clock: Clock | None = None,
         lease: LeaseSettings | None = None,
         relaying: RelaySettings | None = None,
@@ -375,6 +382,11 @@ class Puller:
             digester=digester,
             **flat,
         )
+        if patcher is not None and (not callable(patcher) or (device != "cpu" and digester is None)):
+            raise InvalidArgumentError(
+                f"patcher={patcher!r}: a patcher is a callable, and a patch on {device!r} is checked where it lies: "
+                "give digester= too (weightpull.integrations.torch_digests.wsum64_digests)"
+            )
         self.transport = transports.for_device(transport, device, staging)
         # Refused now, not at the first pull; a mirror fed through host staging cannot relay.
         settings.check_fit(registry, staged=self.transport is not transport)
@@ -392,6 +404,12 @@ class Puller:
         self.spare_mirror = relays.spare_mirror
         self.device = device
         self.digester = digester
+        self.patcher = patcher
+        # Other pullers of one replica (a `MirrorPair`'s), whose mirrors a delta's base may be
+        # copied from: never written here, and what is patched from them is checked.
+        self.siblings: list[Puller] = []
+        self._outgrown: tuple[Region, int | None] | None = None  # a device mirror that grew: the base, until patched
+        self._hinted = False  # that a device mirror could patch with a patcher: said once
         self.verify_digests = (device == "cpu" or digester is not None) if verify_digests is None else verify_digests
         self._insist = bool(verify_digests)  # digests that cannot be checked here refuse the version
         self.stream = stream
@@ -734,22 +752,58 @@ class Puller:
             return Pulled(manifest.version, manifest, mirror, self.clock.now() - started, renewals, base_version)
         finally:
             self._manifests.pop(lease.version, None)  # a manifest is trusted for one lease's span
+            self._release_outgrown()
             await self.leases.release(lease)
 
     def _base_for(self, manifest: Manifest) -> Region | None:
-        """The host mirror that holds, verified, the base of the version's delta (this
-        mirror, or the spare one a relay keeps), if a patch can make the version from it:
-        the same publisher's, of the same layout; else None (read it whole)."""
+        """The mirror that holds, verified, the base of the version's delta (this one, the
+        spare one a relay keeps, the one it outgrew, or a sibling's), if a patch can make
+        the version from it here: the same publisher's, of the same layout; else None
+        (read it whole)."""
         delta = manifest.delta
-        if delta is None or not self.deltas or manifest.shards or self.device != "cpu":
+        if delta is None or not self.deltas or manifest.shards or not self._patches(manifest):
             return None
-        held = self._held.get(delta.base)
-        if held is None or held.publisher != manifest.publisher or held.layout.signature != manifest.layout.signature:
-            return None
-        for region, version in ((self.mirror, self.mirror_version), self.relays.spare[:2]):
-            if region is not None and version == delta.base and region.view is not None:
+        outgrown = self._outgrown or (None, None)
+        candidates = [(self._held, self.mirror, self.mirror_version), (self._held, *self.relays.spare[:2])]
+        candidates += [(self._held, *outgrown)]
+        candidates += [(s._held, s.mirror, s.mirror_version) for s in self.siblings if s is not self]
+        for held_by, region, version in candidates:
+            held = held_by.get(delta.base)
+            if (
+                region is not None
+                and version == delta.base
+                and held is not None
+                and held.publisher == manifest.publisher
+                and held.layout.signature == manifest.layout.signature
+                and region.device == self.device
+                and (region.view is not None or self.device != "cpu")
+            ):
                 return region
         return None
+
+    def _patches(self, manifest: Manifest) -> bool:
+        """Whether a delta can be patched where the mirror lies and what it makes checked
+        there: on the host, always; on a device, with a patcher and a digester for the
+        version's (wsum64) digests."""
+        if self.device == "cpu":
+            return True
+        if self.patcher is not None:
+            return manifest.digests is not None and self.checker.checkable(manifest, must=False)
+        if not self._hinted:
+            self._hinted = True
+            log.info(
+                "%s: v%s has a delta, read whole into the mirror on %s: give patcher=%s to patch it there",
+                self.holder,
+                manifest.version,
+                self.device,
+                patcher_hint(),
+            )
+        return False
+
+    def _release_outgrown(self) -> None:
+        if self._outgrown is not None:
+            region, self._outgrown = self._outgrown[0], None
+            self.transport.deregister(region)
 
     def _hold(self, manifest: Manifest) -> None:
         """The mirror now holds `manifest`'s version: forget what no mirror holds any more."""
@@ -784,20 +838,7 @@ class Puller:
         assert delta is not None and mirror is not None
         lease, renewals = await self._read_all(lease, pacer, manifest, [], mirror, self._delta_reads(relayed))
         total = manifest.layout.total_bytes
-        view = mirror.host_view()
-        pieces = manifest.delta_pieces()
-
-        def check_section() -> int | None:
-            return next(
-                (
-                    i
-                    for i, ((o, n), d) in enumerate(zip(pieces, delta.digests, strict=True))
-                    if not matches(view[o : o + n], d)
-                ),
-                None,
-            )
-
-        bad = await anyio.to_thread.run_sync(check_section)
+        bad = await self.checker.first_mismatch(mirror, manifest.delta_pieces(), delta.digests)
         if bad is not None and source:
             raise DigestMismatchError(
                 f"v{manifest.version}: piece {bad} of its delta read from {source!r} does not match the publisher's digest"
@@ -805,18 +846,10 @@ class Puller:
         why = f"piece {bad} of its delta does not match its digest"
         self.mirror_version = None  # overwritten from here on
         if bad is None:
-            # the base in the spare mirror, which relays still read, is patched in a copy
-            held = None if base is mirror else base.host_view()[:total]
+            # a base held apart (the spare mirror relays still read, a sibling's) is patched in a copy
+            apart = None if base is mirror else base
             try:
-                await anyio.to_thread.run_sync(
-                    lambda: patch(
-                        view[:total],
-                        view[total : total + delta.nbytes],
-                        delta.word,
-                        base=held,
-                        threads=self.checker.threads,
-                    )
-                )
+                await anyio.to_thread.run_sync(functools.partial(self._patch, mirror, total, delta, apart))
                 await self.checker.verify(manifest, mirror)
             except DigestMismatchError as exc:
                 why = f"patched from v{delta.base}, {exc}"
@@ -830,6 +863,17 @@ class Puller:
         log.warning("%s: v%s %s; reading it whole", self.holder, manifest.version, why)
         lease, more = await self._read_all(lease, pacer, manifest, reads, mirror)
         return lease, renewals + more, False
+
+    def _patch(self, mirror: Region, total: int, delta: Delta, base: Region | None) -> None:
+        """Patch the mirror's version from the section past it: on the host by
+        `weightpull.delta.patch`, on a device by the patcher, where it lies."""
+        if mirror.view is None:
+            assert self.patcher is not None
+            self.patcher(mirror, total, delta.nbytes, delta.word, base)
+            return
+        view = mirror.host_view()
+        held = None if base is None else base.host_view()[:total]
+        patch(view[:total], view[total : total + delta.nbytes], delta.word, base=held, threads=self.checker.threads)
 
     def _reads(self, manifest: Manifest) -> list[tuple[Remote, int, int, int]]:
         """(remote, its offset, the mirror's offset, bytes) of each read a pull makes:
@@ -1054,14 +1098,17 @@ class Puller:
         if self.mirror is not None and self.mirror.nbytes >= layout.total_bytes + room:
             return self.mirror
         old, self.mirror = self.mirror, None
-        keep = keep and old is not None and old.view is not None
+        keep = keep and old is not None
         if old is not None and not keep:  # released first: the two need not be held at once
             self.transport.deregister(old)
         self.mirror = self.transport.allocate(layout.total_bytes + room, self.device)
         if old is not None and keep:
-            if self.mirror.view is not None:
+            if old.view is None or self.mirror.view is None:  # on a device: the base for the patch, released after
+                self._release_outgrown()
+                self._outgrown, self.mirror_version = (old, self.mirror_version), None
+            else:
                 self.mirror.host_view()[: old.nbytes] = old.host_view()
-            self.transport.deregister(old)
+                self.transport.deregister(old)
         return self.mirror
 
     async def _view(self, manifest: Manifest) -> Region | None:
@@ -1103,6 +1150,7 @@ class Puller:
             self.mirror = None
             self.mirror_version = None
         self._held.clear()
+        self._release_outgrown()
         spare = self.relays.drop_spare()
         if spare is not None:
             self.transport.deregister(spare)

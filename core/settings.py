@@ -38,12 +38,27 @@ DEFAULT_WAIT_TIMEOUT = 60.0
 MIN_TTL_ROUND_TRIPS = 5
 DEFAULT_SKIP_AFTER = 1.0
 _TORCH_DIGESTER = plugins.Named(plugins.DIGESTERS, "torch")  # an entry point: the core names no integration
+_TORCH_PATCHER = plugins.Named(plugins.PATCHERS, "torch")
 
 # What computes the wsum64 digests of a slot on a device, where it lies: given the slot
 # and each bucket's (offset, nbytes), each bucket's digest (``wsum64:<hex>``). Called in a
 # worker thread once the version's copies landed. The torch integration's is
 # `weightpull.integrations.torch_digests.wsum64_digests`.
 Digester = Callable[[Region, Sequence[tuple[int, int]]], Sequence[str]]
+
+
+# What patches a mirror on a device where it lies, from the delta section past the version
+# in it (`weightpull.delta`'s format): given the mirror, the version's bytes, the section's
+# bytes, the word, and the region that holds the base apart (None: the mirror holds it).
+# Called in a worker thread; a malformed section raises `DigestMismatchError` before any
+# write. The torch integration's is `weightpull.integrations.torch_delta.patch_region`.
+Patcher = Callable[[Region, int, int, int, Region | None], None]
+
+
+def patcher_hint() -> str:
+    """The patcher a message names where a mirror on a device could patch deltas: the
+    torch integration's."""
+    return str(_TORCH_PATCHER)
 
 
 def digester_hint() -> str:

@@ -70,7 +70,7 @@ def test_encode_and_patch_agree_with_the_reference_across_chunks(word):
     assert got == deltas.encode_reference(memoryview(old), memoryview(new), word, memoryview(oracle))
     size, changed = got
     assert into[:size] == oracle[:size]
-    assert size == deltas._layout(len(new) // word, changed, word)[2]
+    assert size == deltas.section_layout(len(new) // word, changed, word)[2]
     for apply in (deltas.patch, deltas.patch_reference):
         target = bytearray(old)
         apply(memoryview(target), memoryview(into)[:size], word)
@@ -437,6 +437,38 @@ async def test_a_spare_mirror_patches_a_copy_of_the_offered_base(world):
     assert pulled.region is not offered and exact(pulled, 2) and pulled.base == 1
     held = offered.host_view()
     assert all(bytes(held[p.offset : p.end]) == bytes(model(1)[p.spec.name].data) for p in pulled.layout.placements)
+
+
+async def test_a_replicas_two_mirrors_patch_each_version_from_the_one_the_other_serves(world):
+    from weightpull.integrations.vllm.mirrors import MirrorPair
+
+    publisher = world.publisher(deltas=True, digests=True)
+    transport = Counting(clock=world.clock, fabric=world.fabric)
+    pair = MirrorPair(world.registry, transport, holder="r0", clock=world.clock)
+    assert [p.siblings for p in pair.pullers] == [pair.pullers] * 2
+    for v in (1, 2, 3, 4):
+        result = await publisher.publish(v, model(v))
+        before, serving = transport.read_bytes, pair.current
+        pulled = await pair.pull(v)  # into the spare, which holds v-2 (or nothing): the base is the other's
+        assert exact(pulled, v) and pulled.base == (None if v == 1 else v - 1)
+        if v > 1:
+            assert transport.read_bytes - before == result.manifest.delta.nbytes  # the section alone
+            assert pulled.region is not serving.region and exact(serving, v - 1)  # copied from, never written
+        pair.promote(pulled)
+    assert sum(p.metrics()["pull/patched"] for p in pair.pullers) == 3
+
+
+async def test_a_sibling_holding_another_publishers_version_is_no_base(world):
+    ours, theirs = world.publisher(deltas=True, digests=True), world.publisher(deltas=True, digests=True, name="b")
+    a, b = world.puller(publisher=ours.name), world.puller(publisher=theirs.name)
+    a.siblings = b.siblings = [a, b]
+    await theirs.publish(1, model(1, seed=5))
+    await b.pull()
+    await ours.publish(1, model(1))
+    await ours.publish(2, model(2))  # a delta of our v1, which only b's mirror holds a v1 of: not ours
+    pulled = await a.pull()
+    assert exact(pulled, 2) and pulled.base is None
+    assert a.metrics()["pull/unpatched"] == 0  # not even tried
 
 
 async def test_a_delta_crosses_a_served_registry(tmp_path):

@@ -79,12 +79,14 @@ def test_gpu_mirrors_read_from_relays_checked_by_the_torch_digester():
     lies: `host` goes with `mirror_device="cuda"`, and each worker's pullers of a GPU
     mirror get the torch digester, a rank's slice's too (a host mirror's are checked on
     the CPU)."""
+    from weightpull.integrations.torch_delta import patch_region
     from weightpull.integrations.torch_digests import wsum64_digests
     from weightpull.integrations.vllm.mirrors import MirrorPair
     from weightpull.integrations.vllm.worker import digesting
 
     assert PullSpec(ADDRESS, "r0", host="h1", relay=True, mirror_device="cuda").mirror_device == "cuda"
-    assert digesting("cuda:0") == {"digester": wsum64_digests}
+    assert digesting("cuda:0") == {"digester": wsum64_digests, "patcher": patch_region}
+    assert digesting("cuda:0", whole=False) == {"digester": wsum64_digests}
     assert digesting("cpu") == {}
     pair = MirrorPair(InProcessRegistry(), FakeTransport(), holder="r0", host="h1", digester=wsum64_digests)
     assert [p.digester for p in pair.pullers] == [wsum64_digests] * 2

@@ -71,6 +71,9 @@ class MirrorPair:
             else SlicePuller(registry, transport, rank_slice, holder=holder, ttl=ttl, **puller)
             for _ in range(mirrors)
         ]
+        for p in self.pullers:  # a delta's base is the version the other mirror serves
+            if isinstance(p, Puller):
+                p.siblings = self.pullers
         self.registry = registry
         # What the engine serves (a Pulled or SlicePulled), from the mirror it was pulled
         # into; without a spare, that mirror may hold another version since (`holds`).

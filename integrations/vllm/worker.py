@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from weightpull.errors import InvalidArgumentError, UnsupportedModelError, WeightpullError
+from weightpull.integrations.torch_delta import patch_region
 from weightpull.integrations.torch_digests import wsum64_digests
 from weightpull.layout import TensorSpec
 from weightpull.puller import Pulled
@@ -84,13 +85,15 @@ def relaying(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def digesting(device: str) -> dict[str, Any]:
+def digesting(device: str, *, whole: bool = True) -> dict[str, Any]:
     """The pullers' digest check for mirrors on `device`: on a GPU, the torch digester,
     which checks wsum64 digests where the mirror lies (a relay's bytes: `host`; a slice
-    offered as a relay is digested by it too); none for a host mirror (checked on the CPU)."""
+    offered as a relay is digested by it too), and for a whole mirror the torch patcher,
+    which patches a delta version there; none for a host mirror (checked and patched on
+    the CPU)."""
     if device == "cpu":
         return {}
-    return {"digester": wsum64_digests}
+    return {"digester": wsum64_digests, "patcher": patch_region} if whole else {"digester": wsum64_digests}
 
 
 def _malloc_trim() -> None:
@@ -175,7 +178,7 @@ class WeightpullWorker:
                 mirrors=2 if spec.get("spare_mirror", True) else 1,
                 publisher=spec.get("publisher"),
                 **relaying(spec),
-                **digesting(device),
+                **digesting(device, whole=sliced is None),
             )
         except WeightpullError as exc:  # as data: the engine raises it, typed
             return {"error": error_info(exc)}
