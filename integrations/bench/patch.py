@@ -8,7 +8,12 @@ The changes are the measured ones (docs/guides/bytes.md): 1.90% of bf16 words, 0
 bytes, at random places. Rates are bytes of the whole version a second, as `simulate`'s
 `--patch-rate` and `--check-rate` count them.
 
-    python -m weightpull.integrations.bench.patch [--size 512M] [--threads 1,2] [--repeat 3] [--json]
+With `--device cuda:0`, the same patches and check where a GPU mirror is patched
+(`weightpull.integrations.torch_delta.patch`, `torch_digests`' wsum64), each beside a copy
+on that device, and every patched copy compared with the host's.
+
+    python -m weightpull.integrations.bench.patch [--size 512M] [--threads 1,2] [--repeat 3]
+        [--device cuda:0] [--json]
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ def copy_on(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
         list(pool.map(lambda i: np.copyto(dst[edges[i] : edges[i + 1]], src[edges[i] : edges[i + 1]]), range(threads)))
 
 
-def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> dict[str, Any]:
-    """Seconds of each step (best of `repeat`) on each thread count, each patched copy and
-    check asserted exact."""
+def measure(
+    nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0, device: str | None = None
+) -> dict[str, Any]:
+    """Seconds of each step (best of `repeat`) on each thread count (and on `device`, if
+    given), each patched copy and check asserted exact."""
     rng = np.random.default_rng(seed)
     old = rng.integers(0, 256, nbytes, dtype=np.uint8)
     target = old.copy()  # its pages touched: no first-touch faults in the first timing
@@ -59,6 +66,9 @@ def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> 
         assert got is not None and got[1] == len(where), "the delta did not encode every change"
         sections[form] = (word, memoryview(room)[: got[0]], new, room)  # the section, as encoded in turn
     recorded = [digests.digest(memoryview(old)[o : o + n], digests.WSUM64) for o, n in spans]
+    result: dict[str, Any] = {"bytes": nbytes, "threads": list(threads), "repeat": repeat}
+    if device is not None:
+        result["device"] = {"name": device, "seconds": on_device(device, old, sections, spans, recorded, repeat)}
     for t in threads:
         seconds.setdefault("copy", {})[t] = best_seconds(partial(copy_on, target, old, t), repeat)
         for form, (word, section, new, room) in sections.items():
@@ -77,7 +87,51 @@ def measure(nbytes: int, threads: Sequence[int], repeat: int, seed: int = 0) -> 
         check = partial(digests.first_mismatch, memoryview(old), spans, recorded, threads=t)
         seconds.setdefault("check, wsum64", {})[t] = best_seconds(check, repeat)
         assert check() is None, "the check found a bucket that does not match"
-    return {"bytes": nbytes, "threads": list(threads), "repeat": repeat, "seconds": seconds}
+    return {**result, "seconds": seconds}
+
+
+def on_device(
+    device: str,
+    old: np.ndarray,
+    sections: dict[str, Any],
+    spans: list[tuple[int, int]],
+    recorded: list[str],
+    repeat: int,
+) -> dict[str, float]:
+    """Seconds of each step where a GPU mirror is patched (best of `repeat`, the device
+    synchronized in each): a copy on the device, each form's patch in place and from a
+    base apart, and the wsum64 check; each patched copy and the check asserted exact."""
+    import torch
+
+    from weightpull.integrations.torch_delta import patch
+    from weightpull.integrations.torch_digests import wsum64_digests
+    from weightpull.transport import Region
+
+    def timed(step: Any) -> float:
+        def run() -> None:
+            step()
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return best_seconds(run, repeat)
+
+    base = torch.from_numpy(old).to(device)
+    target = torch.empty_like(base)
+    seconds = {"copy": timed(partial(target.copy_, base))}
+    for form, (word, section, new, _) in sections.items():
+        on = torch.frombuffer(bytearray(section), dtype=torch.uint8).to(device)
+        want = torch.from_numpy(new).to(device)
+        target.copy_(base)
+        seconds[f"patch {form}, in place"] = timed(partial(patch, target, on, word))
+        assert torch.equal(target, want), f"the {form} patch in place on {device} did not give the version"
+        target.zero_()
+        seconds[f"patch {form}, from a base apart"] = timed(partial(patch, target, on, word, base=base))
+        assert torch.equal(target, want), f"the {form} patch from a base on {device} did not give the version"
+        del want
+    mirror = Region(nbytes=base.numel(), device=device, memory=base)
+    seconds["check, wsum64"] = timed(partial(wsum64_digests, mirror, spans))
+    assert wsum64_digests(mirror, spans) == recorded, f"the check on {device} found a bucket that does not match"
+    return seconds
 
 
 def table(result: dict[str, Any]) -> str:
@@ -93,10 +147,20 @@ def table(result: dict[str, Any]) -> str:
             rate = n / by[t] / 1e9
             cells.append(f"{rate:.2f} ({by[first] / by[t]:.2f}x, {seconds['copy'][t] / by[t]:.2f})")
         rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"{n / (1 << 20):.0f} MiB, best of {result['repeat']}, rates of the whole version's bytes"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += _aligned(rows)
+    if "device" in result:
+        on = result["device"]["seconds"]
+        lines += ["", f"on {result['device']['name']}, torch: GB/s (over the device's copy)"]
+        lines += _aligned(
+            [["step", "GB/s"]] + [[step, f"{n / by / 1e9:.1f} ({on['copy'] / by:.2f})"] for step, by in on.items()]
+        )
     return "\n".join(lines)
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _size(text: str) -> int:
@@ -128,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=_threads, default=[1, 2], help="thread counts, the first the baseline (default: 1,2)"
     )
     p.add_argument("--repeat", type=int, default=3, help="runs of each step, the best kept (default: 3)")
+    p.add_argument("--device", help="also patch and check where a GPU mirror lies, with torch (e.g. cuda:0)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    result = measure(args.size, args.threads, args.repeat)
+    result = measure(args.size, args.threads, args.repeat, device=args.device)
     print(json.dumps(result) if args.json else table(result))
     return 0
 
