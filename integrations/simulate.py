@@ -39,20 +39,21 @@ DELTA_FRACTION = 0.0381  # a bf16 delta (sparse16: offsets and values), "bf16 ..
 FP8_DELTA_FRACTION = 0.0142  # an fp8 delta of the same steps, "fp8 ... 0.209 MB (1.42%)" of the bf16 bytes
 FP8_FRACTION = 0.576  # block fp8 with its scales, Qwen3-8B (bench fp8_cast on the H200: 9.44 GB of 16.38 GB)
 
-# What a replica does once a delta arrives, per host (docs/guides/bytes.md, "after the bytes"):
-# it patches its copy of the base (`weightpull.delta.patch`) and checks the whole version
-# against the publisher's digests (`DigestChecker.verify`, wsum64), both on a thread per core.
-# Rates in bytes of the host's whole version a second, measured on one core of the 2-core
-# machine, idle, with the library's own functions on 512 MiB (best of 3); a patch at the
-# measured fractions above (its time scales with the words changed: 1.90% of bf16 words,
-# 0.95% of fp8). Each on CORES cores at the one core's rate each: two threads measured
-# less than twice one (`python -m weightpull.integrations.bench.patch`), so these are bounds
-# from above.
-PATCH_RATE_CORE = {"delta": 15.0e9, "fp8-delta": 16.4e9}  # one core
-CHECK_RATE_CORE = 11.56e9  # wsum64 with numpy, one core
-CORES = 16  # a host's cores the patch and the check run on by default (the H200 machine measured on has 16)
-PATCH_RATE = {form: rate * CORES for form, rate in PATCH_RATE_CORE.items()}
-CHECK_RATE = CHECK_RATE_CORE * CORES
+# What a replica does once a delta arrives (docs/guides/bytes.md, "after the bytes"): it
+# patches its copy of the base and checks the whole version against the publisher's digests
+# (wsum64). Rates in bytes of the whole version a second, at the measured fractions above (a
+# patch's time scales with the words changed: 1.90% of bf16 words, 0.95% of fp8), measured
+# with the library's own functions on the H200 machine, 2 GiB, best of 3 (`python -m
+# weightpull.integrations.bench.patch --size 2G --threads 16 --device cuda:0`,
+# docs/results/patch-h200-gpu-2026-12-03.txt): in a host mirror (`weightpull.delta.patch`,
+# `DigestChecker`), on its 16 cores, a thread each, the default;
+PATCH_RATE = {"delta": 39.5e9, "fp8-delta": 37.4e9}
+CHECK_RATE = 18.2e9
+# in a mirror on a GPU, there (`Puller(patcher=, digester=)`: torch_delta, torch_digests), each
+# of a host's GPUs patching and checking its own rank's share, side by side.
+GPU_PATCH_RATE = {"delta": 1343e9, "fp8-delta": 1380e9}
+GPU_CHECK_RATE = 864e9
+PATCH_ON = ("host", "gpu")  # where a replica's mirror lies, so where it patches and checks
 
 
 @attrs.frozen
@@ -64,6 +65,7 @@ class Model:
     form: str = "full"  # the form `nbytes` counts, the default: "full" (bf16) or "fp8"
     bf16_bytes: int = 0  # the whole model in bf16; 0: `nbytes` (a bf16 preset)
     fp8_fraction: float = FP8_FRACTION  # its fp8 form's bytes over its bf16 bytes
+    gpus: int = 1  # GPUs a host, each its rank's share of the host's bytes
 
 
 @attrs.frozen
@@ -77,16 +79,31 @@ class Fractions:
 
 @attrs.frozen
 class Rates:
-    """A host's rates, bytes of its whole version a second, for what a replica that
-    patches does before it serves or relays its copy (`--patch-rate`, `--check-rate`):
-    the patch of its copy of the base, given at the measured fractions (None: measured, per
-    form, `PATCH_RATE`), and the check of the whole version after it."""
+    """The rates of what a replica that patches does before it serves or relays its copy
+    (`--patch-on`, `--patch-rate`, `--check-rate`): the patch of its copy of the base,
+    given at the measured fractions (None: measured, per form), and the check of the
+    whole version after it. Bytes a second of the version's bytes where they are patched:
+    a host's whole version (`on` "host"), or a GPU's share of it ("gpu": each of the
+    host's GPUs patching its own at once)."""
 
     patch: float | None = None
-    check: float = CHECK_RATE
+    check: float | None = None
+    on: str = "host"
+
+    def __attrs_post_init__(self) -> None:
+        if self.on not in PATCH_ON:
+            raise InvalidArgumentError(f"a replica patches on one of {', '.join(PATCH_ON)}, got {self.on!r}")
 
     def patch_for(self, form: str) -> float:
-        return self.patch if self.patch is not None else PATCH_RATE[form]
+        if self.patch is not None:
+            return self.patch
+        return (PATCH_RATE if self.on == "host" else GPU_PATCH_RATE)[form]
+
+    @property
+    def check_rate(self) -> float:
+        if self.check is not None:
+            return self.check
+        return CHECK_RATE if self.on == "host" else GPU_CHECK_RATE
 
 
 def host_version_bytes(model: Model, form: str) -> int:
@@ -95,17 +112,23 @@ def host_version_bytes(model: Model, form: str) -> int:
     return -(-wire_bytes(model, "full" if form == "delta" else "fp8") // model.hosts)
 
 
+def patched_bytes(model: Model, form: str, on: str) -> int:
+    """The bytes one patch goes over: a host's whole version, or a GPU's share of it."""
+    return -(-host_version_bytes(model, form) // (model.gpus if on == "gpu" else 1))
+
+
 def apply_seconds(model: Model, form: str, fractions: Fractions, rates: Rates) -> tuple[float, float]:
     """(patch, check) seconds a host of `model` spends on a delta of `form` before it serves:
     its patch (its time scales with the words changed, so with the delta's fraction over the
-    measured one) and the check of its whole version. (0, 0) for a whole form."""
+    measured one) and the check of its whole version (on the GPUs: each its share, at once).
+    (0, 0) for a whole form."""
     if form not in DELTAS:
         return 0.0, 0.0
-    nbytes = host_version_bytes(model, form)
+    nbytes = patched_bytes(model, form, rates.on)
     share = (
         fractions.delta / DELTA_FRACTION if form == "delta" else fractions.fp8_delta / FP8_DELTA_FRACTION
     )  # of the words changed at the rate's measured fraction
-    return nbytes / rates.patch_for(form) * share, nbytes / rates.check
+    return nbytes / rates.patch_for(form) * share, nbytes / rates.check_rate
 
 
 def wire_bytes(model: Model, form: str, fractions: Fractions = Fractions()) -> int:
@@ -135,6 +158,7 @@ MODELS = {
         form="fp8",
         bf16_bytes=2_000_000_000_000,
         fp8_fraction=0.5,
+        gpus=8,
     ),
 }
 
@@ -247,14 +271,21 @@ def _seconds(model: Model, n: int, p: Params, form: str, fractions: Fractions, a
 
 
 def need_rate(
-    model: Model, n: int, p: Params, form: str, fractions: Fractions, goal: float, free: float | None = None
+    model: Model,
+    n: int,
+    p: Params,
+    form: str,
+    fractions: Fractions,
+    goal: float,
+    free: float | None = None,
+    on: str = "host",
 ) -> float | None:
-    """The least rate, bytes of a host's whole version a second, at which a patch and the
-    check after it together (1 / rate = 1 / patch + 1 / check) let `n` replicas of a delta
-    `form` serve within `goal` s; None where the wire alone misses it (`free`: that time,
-    if known). One replica: exact (its hosts apply once, after their reads); more: by
-    bisection on the model, to 1%."""
-    nbytes = host_version_bytes(model, form)
+    """The least rate, bytes a second of what one patch goes over (a host's whole version;
+    `on` "gpu": a GPU's share), at which a patch and the check after it together (1 / rate
+    = 1 / patch + 1 / check) let `n` replicas of a delta `form` serve within `goal` s; None
+    where the wire alone misses it (`free`: that time, if known). One replica: exact (its
+    hosts apply once, after their reads); more: by bisection on the model, to 1%."""
+    nbytes = patched_bytes(model, form, on)
     if free is None:
         free = _seconds(model, n, p, form, fractions, 0.0)
     if free > goal:
@@ -299,12 +330,12 @@ def goals(
             g["met"] = seconds <= goal
             if form in DELTAS and rates is not None:
                 wire_s = _seconds(model, n, p, form, fractions, 0.0)
-                need = need_rate(model, n, p, form, fractions, goal, wire_s)
+                need = need_rate(model, n, p, form, fractions, goal, wire_s, rates.on)
                 g.update(
                     wire_s=round(wire_s, 4),
                     patch_s=round(patch_s, 4),
                     check_s=round(check_s, 4),
-                    rate_gbs=round(host_version_bytes(model, form) / (patch_s + check_s) / 1e9, 2),
+                    rate_gbs=round(patched_bytes(model, form, rates.on) / (patch_s + check_s) / 1e9, 2),
                     need_gbs=None if need is None else round(need / 1e9, 1),
                 )
             out.append(g)
@@ -591,21 +622,29 @@ def add_parser(sub: Any) -> None:
         help=f"an fp8 delta's bytes as a share of the version's bf16 bytes (default: {FP8_DELTA_FRACTION}, measured)",
     )
     p.add_argument(
+        "--patch-on",
+        choices=PATCH_ON,
+        help="with a delta form: where each replica's mirror lies, so where it patches and checks: host (the "
+        "default: a host mirror, on the host's cores) or gpu (each of a host's GPUs its rank's share, at once: "
+        "Puller(patcher=, digester=))",
+    )
+    p.add_argument(
         "--patch-rate",
         type=_rate,
         metavar="GB/s",
-        help="with a delta form: a host's patch of its copy of the base, GB/s of its whole version at the measured "
-        "fractions (its time scales with the delta's fraction), once per hop before the copy serves (default: "
-        f"delta {PATCH_RATE['delta'] / 1e9:g}, fp8-delta {PATCH_RATE['fp8-delta'] / 1e9:g}: measured on one core, "
-        f"{PATCH_RATE_CORE['delta'] / 1e9:g} and {PATCH_RATE_CORE['fp8-delta'] / 1e9:g}, on {CORES} cores)",
+        help="with a delta form: the patch of a copy of the base, GB/s of the version's bytes it goes over (a host's "
+        "whole version; a GPU's share with --patch-on gpu) at the measured fractions (its time scales with the "
+        "delta's fraction), once per hop before the copy serves (default, measured on the H200 machine: host "
+        f"delta {PATCH_RATE['delta'] / 1e9:g}, fp8-delta {PATCH_RATE['fp8-delta'] / 1e9:g} on its 16 cores; gpu "
+        f"{GPU_PATCH_RATE['delta'] / 1e9:g} and {GPU_PATCH_RATE['fp8-delta'] / 1e9:g})",
     )
     p.add_argument(
         "--check-rate",
         type=_rate,
         metavar="GB/s",
-        help="with a delta form: a host's check of the whole version against its digests after the patch, GB/s, "
-        f"once per hop (default: {CHECK_RATE / 1e9:g}, wsum64 at "
-        f"{CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CORES} cores)",
+        help="with a delta form: the check of the whole version against its digests after the patch, GB/s, once "
+        f"per hop, as --patch-rate counts them (default, wsum64 measured on the H200 machine: host "
+        f"{CHECK_RATE / 1e9:g} on its 16 cores, gpu {GPU_CHECK_RATE / 1e9:g})",
     )
     p.add_argument("--gbit", type=_positive, default=400.0, help="each host's link, Gbit/s (default: 400)")
     p.add_argument(
@@ -674,12 +713,17 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and form not in (forms or ()):
             raise InvalidArgumentError(f"{option} applies to --form {form}, which was not asked for")
-    for option, value in (("--patch-rate", args.patch_rate), ("--check-rate", args.check_rate)):
+    for option, value in (
+        ("--patch-rate", args.patch_rate),
+        ("--check-rate", args.check_rate),
+        ("--patch-on", args.patch_on),
+    ):
         if value is not None and not set(forms or ()) & set(DELTAS):
             raise InvalidArgumentError(f"{option} applies to --form delta or fp8-delta, neither of which was asked for")
     rates = Rates(
         patch=None if args.patch_rate is None else args.patch_rate * 1e9,
-        check=CHECK_RATE if args.check_rate is None else args.check_rate * 1e9,
+        check=None if args.check_rate is None else args.check_rate * 1e9,
+        on=args.patch_on or "host",
     )
     fractions = Fractions(
         delta=args.delta_fraction or DELTA_FRACTION, fp8_delta=args.fp8_delta_fraction or FP8_DELTA_FRACTION
@@ -704,8 +748,9 @@ def run(args: argparse.Namespace) -> int:
             out.update(fractions=attrs.asdict(fractions), goals=met)
             if set(forms) & set(DELTAS):
                 out.update(
+                    patch_on=rates.on,
                     patch_rate_gbs={f: rates.patch_for(f) / 1e9 for f in DELTAS if f in forms},
-                    check_rate_gbs=rates.check / 1e9,
+                    check_rate_gbs=rates.check_rate / 1e9,
                 )
         print(json.dumps(out))
         return 0
@@ -727,19 +772,13 @@ def run(args: argparse.Namespace) -> int:
         )
         if set(forms) & set(DELTAS):
             patch = ", ".join(f"{f} {rates.patch_for(f) / 1e9:g}" for f in DELTAS if f in forms)
-            source = (
-                "given"
-                if args.patch_rate is not None
-                else f"a core's measured rate on {CORES} cores, at the measured fractions"
-            )
-            check = (
-                "given"
-                if args.check_rate is not None
-                else f"wsum64 at {CHECK_RATE_CORE / 1e9:g} GB/s a core, measured, on {CORES} cores"
-            )
+            measured = "measured on the H200 machine's 16 cores" if rates.on == "host" else "measured on an H200"
+            where = "its host's copy" if rates.on == "host" else "on each GPU its rank's share of its host's copy"
             print(
-                f"deltas: each hop patches its host's copy of the base ({patch} GB/s of its whole version: {source}) "
-                f"and checks the whole version ({rates.check / 1e9:g} GB/s: {check}) before it serves or relays it"
+                f"deltas: each hop patches {where} of the base ({patch} GB/s: "
+                f"{'given' if args.patch_rate is not None else measured + ', at the measured fractions'}) "
+                f"and checks it ({rates.check_rate / 1e9:g} GB/s: "
+                f"{'given' if args.check_rate is not None else 'wsum64, ' + measured}) before it serves or relays it"
             )
         print("model  form       wire GB  replicas  one alone s  no relays s  relays s  hops")
     else:

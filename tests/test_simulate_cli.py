@@ -231,11 +231,11 @@ def test_simulate_by_form_prints_the_1t_goals_met_or_not(capsys, monkeypatch):
     assert fp8_one[4] == "1.351"  # as the preset's default row
     goals = [line.split() for line in lines if line.startswith("  fp8")]
     assert goals[0][:4] == ["fp8", "to", "128", "GPUs"] and goals[0][-2:] == ["NOT", "met"]
-    # the fp8 delta: its wire time, then each host's patch and check of its 62.5 GB, each on 16
-    # cores at a core's measured rate: met (at that bound), and the rate that meets it
+    # the fp8 delta: its wire time, then each host's patch and check of its 62.5 GB on its 16
+    # cores, as measured on the H200 machine: not met, and the rate that would meet it
     fp8_delta = next(line for line in lines if line.startswith("  fp8-delta  to 128 GPUs"))
     assert goals[2][0] == "fp8-delta"
-    assert "goal <= 1 s  met  (wire 0.038 s, then per hop patch 0.238 s + check 0.338 s: 108.49 GB/s" in fp8_delta
+    assert "goal <= 1 s  NOT met  (wire 0.038 s, then per hop patch 1.671 s + check 3.434 s: 12.24 GB/s" in fp8_delta
     assert "needs patch + check >= 65 GB/s together" in fp8_delta
     assert any("patch and check of each host's whole version included" in line for line in lines)
     assert any(line.startswith("deltas: each hop patches") for line in lines)
@@ -247,7 +247,7 @@ def test_simulate_by_form_prints_the_1t_goals_met_or_not(capsys, monkeypatch):
     one, ten = result["goals"]  # 10 replicas, not among the rows, simulated for the goal
     assert one["s"] == pytest.approx(row["one_s"]) and not one["met"]
     assert one["s"] == pytest.approx(one["wire_s"] + row["patch_s"] + row["check_s"], abs=1e-3)
-    assert row["patch_s"] == pytest.approx(125e9 / (16 * 15.0e9), abs=1e-3)  # a host's 125 GB of bf16, 16 cores
+    assert row["patch_s"] == pytest.approx(125e9 / 39.5e9, abs=1e-3)  # a host's 125 GB of bf16, on its cores
     assert ten["replicas"] == 10 and one["s"] < ten["s"] and not ten["met"]
     assert one["wire_s"] < ten["wire_s"] <= 1.5  # on the wire alone both were met
     # at the rate a goal needs, it is met; a little under it, not
@@ -276,9 +276,32 @@ def test_a_patch_takes_time_in_proportion_to_its_deltas_fraction(capsys, monkeyp
         for more in ((), ("--fp8-delta-fraction", "0.0071"))
     ]
     assert rows[1]["patch_s"] == pytest.approx(rows[0]["patch_s"] / 2, rel=1e-3)  # half the words changed
+    assert rows[1]["check_s"] == rows[0]["check_s"] == pytest.approx(62.5e9 / 18.2e9, abs=1e-3)  # the whole version
+
+
+def test_on_the_gpus_each_patches_and_checks_its_ranks_share_and_both_goals_are_met(capsys, monkeypatch):
+    from weightpull.integrations import simulate as sim
+
+    monkeypatch.setattr(sim, "GOALS", ((1, "128 GPUs", 1.0), (10, "10 replicas", 1.5)))  # 10,000 takes long
+    argv = ("simulate", "--model", "1t", "--replicas", "1", "--form", "fp8-delta", "--patch-on", "gpu")
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and "each hop patches on each GPU its rank's share" in out
+    assert "(fp8-delta 1380 GB/s: measured on an H200" in out and "(864 GB/s: wsum64, measured on an H200)" in out
+    got = json.loads(run(capsys, *argv, "--json")[1].splitlines()[-1])
+    row, (one, ten) = got["rows"][0], got["goals"]
+    assert got["patch_on"] == "gpu" and got["check_rate_gbs"] == 864
+    share = 62.5e9 / 8  # a host's 62.5 GB of fp8 over its 8 GPUs, at once
+    assert row["patch_s"] == pytest.approx(share / 1380e9, abs=1e-4) and row["check_s"] == pytest.approx(
+        share / 864e9, abs=1e-4
+    )
     assert (
-        rows[1]["check_s"] == rows[0]["check_s"] == pytest.approx(62.5e9 / (16 * 11.56e9), abs=1e-3)
-    )  # the whole version
+        one["met"]
+        and ten["met"]
+        and one["rate_gbs"] == pytest.approx(share / (one["patch_s"] + one["check_s"]) / 1e9, rel=0.01)
+    )
+    host = json.loads(run(capsys, *argv[:-2], "--json")[1].splitlines()[-1])
+    assert host["patch_on"] == "host" and not host["goals"][0]["met"]  # the same on the host's cores: not met
+    assert host["goals"][0]["need_gbs"] == pytest.approx(one["need_gbs"] * 8, rel=0.01)  # a host's bytes, not a GPU's
 
 
 def test_the_default_rows_are_as_before_forms(capsys):
@@ -297,6 +320,7 @@ def test_the_default_rows_are_as_before_forms(capsys):
         (["--form", "delta", "--delta-fraction", "some"], "--delta-fraction"),
         (["--form", "fp8-delta", "--fp8-delta-fraction", "0"], "--fp8-delta-fraction"),
         (["--form", "fp16"], "--form"),
+        (["--form", "delta", "--patch-on", "tpu"], "--patch-on"),
         (["--form", "delta", "--patch-rate", "0"], "--patch-rate"),
         (["--form", "delta", "--patch-rate", "-3"], "--patch-rate"),
         (["--form", "delta", "--patch-rate", "nan"], "--patch-rate"),
@@ -320,10 +344,10 @@ def test_a_delta_fraction_without_its_form_is_refused(capsys):
     assert status == 2 and "--delta-fraction applies to --form delta" in err
 
 
-@pytest.mark.parametrize("option", ["--patch-rate", "--check-rate"])
+@pytest.mark.parametrize(("option", "value"), [("--patch-rate", "100"), ("--check-rate", "100"), ("--patch-on", "gpu")])
 @pytest.mark.parametrize("forms", [[], ["--form", "full,fp8"]])
-def test_a_rate_without_a_delta_form_is_refused(capsys, option, forms):
-    status, _, err = run(capsys, "simulate", "--replicas", "1", *forms, option, "100")
+def test_a_rate_without_a_delta_form_is_refused(capsys, option, value, forms):
+    status, _, err = run(capsys, "simulate", "--replicas", "1", *forms, option, value)
     assert status == 2 and f"{option} applies to --form delta or fp8-delta" in err
 
 
