@@ -808,9 +808,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             print(line)
         if any(f in DELTAS for f in forms):
+            whose = "each host's" if rates.on == "host" else "each GPU's share of each host's"
             print(
-                "  deltas: patch and check of each host's whole version included, per hop; "
-                "the whole forms' own checks left out (bytes and reads only)"
+                f"  deltas: patch and check of {whose} "
+                "whole version included, per hop; the whole forms' own checks left out (bytes and reads only)"
             )
         else:
             print("  bytes and reads only: a whole copy's check left out")
