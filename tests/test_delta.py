@@ -458,6 +458,20 @@ async def test_a_replicas_two_mirrors_patch_each_version_from_the_one_the_other_
     assert sum(p.metrics()["pull/patched"] for p in pair.pullers) == 3
 
 
+async def test_a_siblings_base_that_changed_under_it_is_read_whole_and_left_as_it_was(world):
+    publisher = world.publisher(deltas=True, digests=True)
+    a, b = world.puller(), world.puller()
+    a.siblings = [b]
+    await publisher.publish(1, model(1))
+    await b.pull()
+    b.mirror.host_view()[9] ^= 0xFF  # b's copy changed after its check (a pull of its own begun, say)
+    before = bytes(b.mirror.host_view())
+    await publisher.publish(2, model(2))
+    pulled = await a.pull()
+    assert exact(pulled, 2) and pulled.base is None and a.metrics()["pull/unpatched"] == 1
+    assert bytes(b.mirror.host_view()) == before  # copied from, never written
+
+
 async def test_a_sibling_holding_another_publishers_version_is_no_base(world):
     ours, theirs = world.publisher(deltas=True, digests=True), world.publisher(deltas=True, digests=True, name="b")
     a, b = world.puller(publisher=ours.name), world.puller(publisher=theirs.name)
