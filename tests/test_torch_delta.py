@@ -4,8 +4,6 @@ section refused before any word is written. tests/gpu/test_gpu_deltas.py runs it
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -15,15 +13,7 @@ from weightpull.integrations import torch_delta
 from weightpull.integrations.torch_delta import patch, patch_region
 from weightpull.transport import Region
 
-
-def pair(size: int, word: int, fraction: float, seed: int) -> tuple[bytes, bytes]:
-    rng = random.Random(seed)
-    old = bytearray(rng.randbytes(size))
-    new = bytearray(old)
-    words = size // word
-    for i in {0, words - 1, *rng.sample(range(words), int(words * fraction))}:
-        new[i * word] ^= 0x5A
-    return bytes(old), bytes(new)
+from .test_delta import pair
 
 
 def section(old: bytes, new: bytes, word: int) -> bytes:
