@@ -26,7 +26,7 @@ from weightpull.integrations.vllm import PullSpec, open_replica  # noqa: E402
 from weightpull.integrations.vllm.tiny import version_weights  # noqa: E402
 
 from .test_fsdp import Job  # noqa: E402
-from .vllm_families import ENGINE, compare, references, save_versions, serve_async  # noqa: E402
+from .vllm_families import ENGINE, ReferenceProcess, compare, save_versions, serve_async  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -58,6 +58,24 @@ REPLICA = {
 }
 
 
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """One process makes every fresh engine's results the module compares with, its imports
+    paid once (`ReferenceProcess`), and each family's v1 and v2 are asked for as the module
+    starts: they are made while the replicas under test start. Yields the process and, by
+    family, its model, base weights, checkpoints and the answer to wait for."""
+    root = tmp_path_factory.mktemp("families")
+    refs = ReferenceProcess(root / "references")
+    try:
+        saved = {}
+        for family in CASES:
+            model, base, paths = save_versions(family, root, versions=(0, 1, 2))
+            saved[family] = (model, base, paths, refs.submit([paths[1], paths[2]]))
+        yield refs, saved
+    finally:
+        refs.close()
+
+
 async def _until(predicate, timeout: float = 60) -> None:
     with anyio.fail_after(timeout):
         while not predicate():
@@ -65,19 +83,20 @@ async def _until(predicate, timeout: float = 60) -> None:
 
 
 @pytest.mark.parametrize("family", list(CASES))
-async def test_after_v1_v2_and_v1_again_the_replica_equals_a_fresh_engine(family, tmp_path):
-    model, base, paths = save_versions(family, tmp_path, versions=(0, 1, 2))
+async def test_after_v1_v2_and_v1_again_the_replica_equals_a_fresh_engine(family, fresh):
+    refs, saved = fresh
+    model, base, paths, answer = saved[family]
     expected: dict = {}
     registry = InProcessRegistry()
     transport = create_transport("nixl")
     publisher = Publisher(registry, transport, rollout_dtype="bfloat16", num_slots=3, name=f"trainer-{family}")
     async with anyio.create_task_group() as tg:
-        # The fresh engines' results are made in a process of their own while the replica
-        # starts (each start is mostly single-threaded imports and loading): ~20 s less.
+        # The fresh engines' results, asked for by the module's fixture, are made in a
+        # process of their own while the replica starts.
         references_done = anyio.Event()
 
         async def make_references() -> None:
-            expected.update(await anyio.to_thread.run_sync(references, [paths[1], paths[2]]))
+            expected.update(await anyio.to_thread.run_sync(refs.wait, answer))
             references_done.set()
 
         tg.start_soon(make_references)
@@ -129,21 +148,33 @@ async def _an_fp8_version_is_refused_by_an_unquantized_replica_before_it_loads(r
     assert compare(v1, await serve_async(r.llm, request_prefix="after-v5")) == []
 
 
-async def test_fsdp_publisher_of_a_tied_llama_under_checkpoint_names_reaches_vllm_whole(tmp_path):
+async def test_fsdp_publisher_of_a_tied_llama_under_checkpoint_names_reaches_vllm_whole(tmp_path, fresh):
     """`FSDPPublisher` publishes a tied embedding once, under its checkpoint name, with no
     `lm_head.weight`: two FSDP2 ranks train transformers' tied Llama and publish each step;
     the replica's output on the last version equals a fresh engine's on its weights."""
+    refs, _ = fresh
     _, _, paths = save_versions("llama-tied", tmp_path, versions=(0,))
     registry = InProcessRegistry()
     async with anyio.create_task_group() as tg:
         address = await tg.start(RegistryServer("tcp://127.0.0.1:0", registry=registry).serve)
         job = Job("tests.fsdp_tied_rank", [], address, tmp_path, secret=None)
         try:
-            report = await anyio.to_thread.run_sync(job.report, 0, 240.0)
-            assert "lm_head.weight" not in report["names"] and "model.embed_tokens.weight" in report["names"]
-            expected = await anyio.to_thread.run_sync(references, [tmp_path / "expected"])
+            trained: dict = {}
+            ready = anyio.Event()
+
+            async def train_then_refer() -> None:
+                trained["report"] = await anyio.to_thread.run_sync(job.report, 0, 240.0)
+                trained["expected"] = await anyio.to_thread.run_sync(refs.references, [tmp_path / "expected"])
+                ready.set()
+
+            # The replica's engine starts while the ranks train and the fresh engine runs on
+            # their last version; its agent runs only once they are done, as before.
+            tg.start_soon(train_then_refer)
             spec = PullSpec(address, "replica", transport="nixl")
             async with open_replica("replica", str(paths[0]), registry, spec, **REPLICA) as r:
+                await ready.wait()
+                report, expected = trained["report"], trained["expected"]
+                assert "lm_head.weight" not in report["names"] and "model.embed_tokens.weight" in report["names"]
                 tg.start_soon(r.agent.run)
                 assert await r.agent.wait_for_version(report["version"], timeout=120) == report["version"]
                 got = await serve_async(r.llm, request_prefix="fsdp")

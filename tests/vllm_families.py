@@ -7,7 +7,8 @@ JSON on the last stdout line). Not in the test's process: an in-process engine's
 worker changes that process for good (it replaces `torch.set_num_threads` with a no-op,
 sets a NUMA memory binding, starts torch.distributed), while the replicas under test are
 `AsyncLLM`s, whose engines always run in processes of their own. One subprocess runs its
-engines one after another, shutting each down first.
+engines one after another, shutting each down first; `ReferenceProcess` keeps one such
+process for many requests (a module's), so that its imports are paid once.
 
 Each prompt's result is `{"tokens": [...], "logprob": first token's logprob, "cached":
 prompt tokens served from the prefix cache}`; prompts run one after another, so the
@@ -140,25 +141,101 @@ def references(paths: list[str | Path], tokens: int = TOKENS, timeout: float = 3
     return json.loads(done.stdout.strip().splitlines()[-1])["results"]
 
 
-def _main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("paths", nargs="*", help="checkpoint directories")
-    parser.add_argument("--family", help="save this family's versions to a temporary directory first")
-    parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--tokens", type=int, default=TOKENS)
-    args = parser.parse_args()
-    paths = list(args.paths)
-    if args.family:
-        paths += [str(p) for p in save_versions(args.family, tempfile.mkdtemp(), tuple(args.versions))[2].values()]
+class ReferenceProcess:
+    """`references` from one process kept for many requests (a module's tests): its imports
+    are paid once, not once a test, and requests made ahead run while the engines under
+    test start. Each checkpoint still gets an engine of its own, started fresh, one after
+    another in request order (`python -m tests.vllm_families --serve`; a request is one
+    stdin line, its answer a JSON file written whole)."""
+
+    def __init__(self, root: str | Path, tokens: int = TOKENS) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log = self.root / "references.log"
+        self._requests = 0
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.vllm_families", "--serve", "--tokens", str(tokens)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=Path(__file__).parent.parent,
+            )
+
+    def submit(self, paths: list[str | Path]) -> Path:
+        """Ask for a fresh engine's results on each of `paths`; where they will be (`wait`)."""
+        self._requests += 1
+        answer = self.root / f"references-{self._requests}.json"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"paths": [str(p) for p in paths], "out": str(answer)}) + "\n")
+        self.proc.stdin.flush()
+        return answer
+
+    def wait(self, answer: Path, timeout: float = 300) -> dict[str, list[dict[str, Any]]]:
+        """The results `submit` promised at `answer`, keyed by `str(path)` (blocking; polls)."""
+        deadline = time.monotonic() + timeout
+        while not answer.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = f"ended ({self.proc.returncode})" if self.proc.poll() is not None else f"not within {timeout} s"
+                raise RuntimeError(f"the reference engines {why}:\n{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.05)
+        return json.loads(answer.read_text())["results"]
+
+    def references(self, paths: list[str | Path], timeout: float = 300) -> dict[str, list[dict[str, Any]]]:
+        return self.wait(self.submit(paths), timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # it ends at EOF
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _run(paths: list[str], tokens: int) -> dict[str, Any]:
+    """A fresh engine's results on each of `paths`, one engine after another."""
     results, seconds = {}, {}
     for path in paths:
         started = time.perf_counter()
         llm = engine(path)
-        results[path] = serve(llm, args.tokens)
+        results[path] = serve(llm, tokens)
         seconds[path] = round(time.perf_counter() - started, 2)
         llm.llm_engine.engine_core.shutdown()  # the next engine starts clean
         del llm
-    print(json.dumps({"results": results, "seconds": seconds}))
+    return {"results": results, "seconds": seconds}
+
+
+def _serve(tokens: int) -> None:
+    """`ReferenceProcess`'s side: one request a stdin line, each answer written whole."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        answer = Path(request["out"])
+        partial = answer.with_suffix(".part")
+        partial.write_text(json.dumps(_run(request["paths"], tokens)))
+        partial.rename(answer)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="*", help="checkpoint directories")
+    parser.add_argument("--serve", action="store_true", help="take requests on stdin (ReferenceProcess)")
+    parser.add_argument("--family", help="save this family's versions to a temporary directory first")
+    parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tokens", type=int, default=TOKENS)
+    args = parser.parse_args()
+    if args.serve:
+        _serve(args.tokens)
+        return
+    paths = list(args.paths)
+    if args.family:
+        paths += [str(p) for p in save_versions(args.family, tempfile.mkdtemp(), tuple(args.versions))[2].values()]
+    print(json.dumps(_run(paths, args.tokens)))
 
 
 if __name__ == "__main__":
