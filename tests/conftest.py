@@ -54,9 +54,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 def pytest_collection_modifyitems(items) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: vLLM's files first, the tail last
-        from .scheduling import order
+        from .scheduling import queue_key
 
-        items.sort(key=lambda item: order(str(item.path)))
+        items.sort(key=lambda item: queue_key(item.nodeid))
 
 
 @pytest.fixture

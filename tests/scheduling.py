@@ -3,9 +3,10 @@ installs it). Each file's tests run on one worker, in order, so module-scoped fi
 start once, as in a serial run; the files that start vLLM engines (each takes both cores,
 and test_vllm.py's four start under a deadline) form one unit, run first and one at a time,
 while the other worker takes the rest, then the tail: tests that start vLLM too but wait
-on it with no tight deadline, each a unit of its own, queued last so that whichever worker
-is free takes the next (without them, the vLLM unit ends alone, minutes after the rest). A scheduler of its
-own, as xdist's `loadgroup` cannot mark groups under pytest 9.
+on it with no tight deadline (the demos'), each a unit of its own, queued last, the
+longest first, so that whichever worker is free takes the next (without them, the vLLM
+unit ends alone, minutes after the rest). A scheduler of its own, as xdist's `loadgroup`
+cannot mark groups under pytest 9.
 
 It also mends two faults of xdist 3.8's `LoadScopeScheduling` that turn a crashed worker
 into a run that never ends (CI then reports a timeout, not the test that crashed): the
@@ -35,17 +36,27 @@ from pathlib import Path
 import attrs
 from xdist.scheduler import LoadScopeScheduling
 
-TAIL_FILES = ("test_loop_demo.py", "test_demo_processes.py")
+TAIL_FILES = ("test_loop_demo.py", "test_demo_processes.py", "test_vllm_demo.py")
+# The tail's longest tests (CI: 100, 78 and 58 s), queued first in it, in this order: the
+# tail is list scheduling, and a long test taken last would end the run alone.
+TAIL_FIRST = ("::test_loop_demo_json", "::test_vllm_demo_json", "[vllm-demo-pid-sigterm]")
 
 
 def starts_vllm(path: str) -> bool:
     name = path.rsplit("/", 1)[-1]
-    return name.startswith("test_vllm")
+    return name.startswith("test_vllm") and name not in TAIL_FILES
 
 
 def order(path: str) -> int:
     """Where a file's tests go in the queue: the vLLM unit, the rest, the tail."""
     return 0 if starts_vllm(path) else 2 if path.rsplit("/", 1)[-1] in TAIL_FILES else 1
+
+
+def queue_key(nodeid: str) -> tuple[int, int]:
+    """A test's place in the queue: `order`'s, and in the tail, its longest tests first."""
+    where = order(nodeid.split("::", 1)[0])
+    first = next((i for i, name in enumerate(TAIL_FIRST) if name in nodeid), len(TAIL_FIRST))
+    return where, first if where == 2 else 0
 
 
 @attrs.frozen
@@ -86,9 +97,10 @@ class ByFile(LoadScopeScheduling):
 
     def _reschedule(self, node) -> None:
         """Enough work that the worker can run what it holds: it runs a test only once it
-        holds the next one too, or is told to shut down."""
-        super()._reschedule(node)
-        while self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) <= 2:
+        holds the next one too, or is told to shut down. No more than that (xdist holds
+        two more): a long test of the tail held behind the one running would wait there
+        while the other worker, free, could have run it."""
+        while self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) < 2:
             super()._reschedule(node)
         if not self.workqueue:
             super()._reschedule(node)  # shuts it down: its last test runs

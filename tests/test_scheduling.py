@@ -2,7 +2,8 @@
 the test it died on if it dies there twice, quoting the worker's fatal-error dump; a test
 that crashed its worker once and passes on a fresh one passes, the crash printed at the
 end; and the run ends with every other test run. With xdist 3.8's own
-`LoadScopeScheduling` this run never ends."""
+`LoadScopeScheduling` this run never ends. And the queue's order: the vLLM unit first,
+the tail last, its longest tests first."""
 
 from __future__ import annotations
 
@@ -70,3 +71,21 @@ def test_a_test_whose_worker_crashed_once_runs_again_on_a_fresh_one(tmp_path):
     assert "10 passed" in out, out
     said = out.split("crashed running test_03.py::test_crash (run again on a fresh worker)", 1)[1]
     assert "Fatal Python error: Aborted" in said and "in test_crash" in said, out
+
+
+def test_the_vllm_unit_is_queued_first_and_the_tail_last_its_longest_tests_first():
+    from tests.scheduling import queue_key
+
+    stopped = "tests/test_demo_processes.py::test_a_stopped_demo_leaves_no_process_behind"
+    queued = [
+        "tests/test_vllm.py::test_fp32_publish_each_replica_greedy_equals_transformers",
+        "tests/test_vllm_apply.py::test_fsdp_publisher_of_a_tied_llama_under_checkpoint_names_reaches_vllm_whole",
+        "tests/test_registry.py::test_versions_are_announced_in_order",
+        "tests/test_loop_demo.py::test_loop_demo_json",
+        "tests/test_vllm_demo.py::test_vllm_demo_json",
+        f"{stopped}[vllm-demo-pid-sigterm]",
+        f"{stopped}[nixl-demo-group-sigterm]",
+        "tests/test_loop_demo.py::test_kill_at_is_for_the_loop_alone",
+    ]
+    collected = [queued[i] for i in (6, 7, 2, 4, 0, 5, 3, 1)]  # the order of equals is kept
+    assert sorted(collected, key=queue_key) == queued
