@@ -30,23 +30,42 @@ their tests hold them to.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
-from . import schema
+from . import plugins, schema
 from .digests import kind_of, numpy_or_none, thread_count, worth_threads
 from .errors import DigestMismatchError, InvalidArgumentError
+from .transport import Region
 
-__all__ = ["SPARSE16", "Delta", "check_publishing", "encode", "patch", "pieces", "room_for", "word_of"]
+__all__ = [
+    "SPARSE16",
+    "Delta",
+    "Encoder",
+    "check_publishing",
+    "encode",
+    "patch",
+    "pieces",
+    "room_for",
+    "section_layout",
+    "word_of",
+]
 
 SPARSE16 = "sparse16"
 ENCODINGS = (SPARSE16,)
 CHUNK = 1 << 16  # words per chunk: an offset in one fits 16 bits
 WORDS = (1, 2, 4, 8)  # word sizes, in bytes
 GROUP = 256  # chunks encoded or patched as one (16 Mi words): its indices held at once, a thread's unit of work
+_TORCH_ENCODER = plugins.Named(plugins.ENCODERS, "torch")  # an entry point: the core names no integration
+
+# What writes a delta section where a publisher's slot lies (a GPU's): given the base's slot,
+# the version's slot, the version's bytes, the word and the room past them, it writes the
+# section there and returns (its bytes, the words changed), or None where it would not fit.
+# Called in a worker thread. The torch integration's: `torch_delta.encode_region`.
+Encoder = Callable[[Region, Region, int, int, int], "tuple[int, int] | None"]
 
 
 def _strings(items: Iterable[str]) -> tuple[str, ...]:
@@ -99,15 +118,20 @@ class Delta(schema.Record):
             kind_of(d)
 
 
-def check_publishing(*, room: object, digests: object, device: str, stream: bool) -> list[str]:
+def check_publishing(*, room: object, digests: object, device: str, stream: bool, encoder: object = None) -> list[str]:
     """The rules a publisher of deltas keeps, each broken one named with its fix."""
     problems = []
     if not isinstance(room, (int, float)) or isinstance(room, bool) or not 0 < room <= 1:
         problems.append(f"delta_room must be a share of the version in (0, 1], got {room!r}")
     if not digests:
         problems.append("a delta is checked by the version's digests: pass digests='wsum64' (or another kind)")
-    if device != "cpu":
-        problems.append(f"deltas are encoded from host slots only, not on {device!r}: publish them with device='cpu'")
+    if device != "cpu" and encoder is None:
+        problems.append(
+            f"a delta of slots on {device!r} is encoded where they lie: give encoder={_TORCH_ENCODER} "
+            "(or publish deltas with device='cpu')"
+        )
+    if encoder is not None and not callable(encoder):
+        problems.append(f"encoder must be a callable (an `Encoder`), got {encoder!r}")
     if stream:
         problems.append("a delta is encoded once the whole version landed: publish deltas with stream=False")
     return problems

@@ -2,7 +2,7 @@
 
 The core imports no driver and no integration, not even by an import string (the import
 contracts check it). What it loads of them (a transport driver, the torch tensor adapter,
-host staging, the torch digester and patcher, a served registry's client, the modules that moved out
+host staging, the torch digester, patcher and encoder, a served registry's client, the modules that moved out
 of the core) weightpull's own metadata names, as entry points in the groups below
 (`[project.entry-points]` in pyproject.toml), beside those third parties add to the same
 groups. Looking a plugin up imports nothing; loading one imports its module, and one whose
@@ -30,6 +30,7 @@ TENSOR_VIEWS = "weightpull.tensor_views"  # `as_tensors(layout, region)` functio
 HOST_STAGING = "weightpull.host_staging"  # what feeds a GPU mirror from host reads, by framework
 DIGESTERS = "weightpull.digesters"  # `Digester`s computing digests where a slot lives, by framework
 PATCHERS = "weightpull.patchers"  # `Patcher`s patching a delta where a mirror lives, by framework
+ENCODERS = "weightpull.encoders"  # `Encoder`s encoding a delta where a slot lives, by framework
 REGISTRY_CLIENTS = "weightpull.registry_clients"  # registry clients, by the address's kind
 MOVED = "weightpull.moved"  # the modules that moved out of the core, by their old short name
 

@@ -23,7 +23,7 @@ import anyio.lowlevel
 import attrs
 
 from .clock import Clock, MonotonicClock
-from .delta import Delta, check_publishing, encode, pieces, room_for, word_of
+from .delta import Delta, Encoder, check_publishing, encode, pieces, room_for, word_of
 from .digests import WSUM64, digest, kind_of
 from .errors import (
     InvalidArgumentError,
@@ -164,8 +164,9 @@ class Publisher:
     it still holds it), past the whole version in its slot, for readers whose mirror
     holds the base (`weightpull.delta`, docs/guides/bytes.md). A delta larger than
     `delta_room` of the version is left out: readers read the whole version, as they do
-    any version without one. Deltas need digests (a patched copy is checked by them),
-    host slots, and `stream=False`.
+    any version without one. Deltas need digests (a patched copy is checked by them)
+    and `stream=False`; slots on a device need `encoder`, which compares them with the
+    base where they lie (`weightpull.integrations.torch_delta.encode_region`).
 
     Args:
         registry: The registry versions are announced to (a `StreamingRegistry` with
@@ -186,6 +187,8 @@ class Publisher:
         deltas: Record each version's changes from its base too (see above).
         delta_room: The share of a version's bytes kept in each slot for its delta; a
             larger delta is not recorded.
+        encoder: Writes a delta where a device slot lies (`weightpull.delta.Encoder`);
+            host slots need none.
         slot_settings: The slots and the policy when none is free (`SlotSettings`:
             `num_slots`, `when_full`, `wait_timeout`, `poll_interval`).
         **flat: The same slot settings one by one (`FlatPublisherArgs`).
@@ -194,7 +197,7 @@ class Publisher:
         InvalidArgumentError: a setting is out of range or breaks a rule with another
             (all named at once), a flat argument contradicts `slot_settings`, the
             registry cannot stream (`stream`), or `deltas` without digests, on a device
-            slot or with `stream`.
+            slot without `encoder`, or with `stream`.
     """
 
     def __init__(
@@ -214,6 +217,7 @@ class Publisher:
         adapter: TensorAdapter | None = None,
         deltas: bool = False,
         delta_room: float = 0.25,
+        encoder: Encoder | None = None,
         slot_settings: SlotSettings | None = None,
         **flat: Unpack[FlatPublisherArgs],
     ) -> None:
@@ -241,8 +245,9 @@ class Publisher:
         self.stream = stream
         settings.check_fit(registry, stream=stream)  # refused now, not at the first publish
         if deltas:
-            refuse(check_publishing(room=delta_room, digests=digests, device=device, stream=stream), "Publisher")
-        self.deltas, self.delta_room = bool(deltas), delta_room
+            problems = check_publishing(room=delta_room, digests=digests, device=device, stream=stream, encoder=encoder)
+            refuse(problems, "Publisher")
+        self.deltas, self.delta_room, self.encoder = bool(deltas), delta_room, encoder
         self.device = device
         self.name = name or default_name(registry)
         self.clock = clock or MonotonicClock()
@@ -471,10 +476,15 @@ class Publisher:
             return None
         total, room = layout.total_bytes, self._room(layout, None)
         word = word_of(DTYPE_SIZES[spec.dtype] for spec in layout.specs)
-        old, new = held.region.host_view(), region.host_view()
-        found = await anyio.to_thread.run_sync(
-            lambda: encode(old[:total], new[:total], word, new[total : total + room])
-        )
+        if region.view is None:  # on a device: where the slots lie
+            encoder, base_region = self.encoder, held.region
+            assert encoder is not None
+            found = await anyio.to_thread.run_sync(lambda: encoder(base_region, region, total, word, room))
+        else:
+            old, new = held.region.host_view(), region.host_view()
+            found = await anyio.to_thread.run_sync(
+                lambda: encode(old[:total], new[:total], word, new[total : total + room])
+            )
         if found is None:
             log.info(
                 "%s: v%s changed more than delta_room=%g of it from v%s: no delta",

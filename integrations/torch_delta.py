@@ -1,6 +1,11 @@
-"""Delta sections (`weightpull.delta`'s sparse16) patched with torch where a mirror lies:
-a GPU mirror is patched on its GPU, its bytes never copied to the host. The same bytes as
-`weightpull.delta.patch`, whose pure-Python oracle its tests hold it to.
+"""Delta sections (`weightpull.delta`'s sparse16) encoded and patched with torch where the
+bytes lie: a publisher's slot on a GPU is compared with its base there, and a GPU mirror
+patched on its GPU, neither copied to the host. The same bytes as `weightpull.delta`'s
+`encode` and `patch`, whose pure-Python oracles its tests hold them to.
+
+The encode counts each chunk's changed words first (no indices held), so a section that
+would not fit its room is known before any is written, and then writes each group of
+chunks' offsets and values at their place.
 
 The section is checked for sense before any word is written (its counts add up to its
 size, no offset past the copy), with two small transfers to the host: a scatter to a word
@@ -20,9 +25,10 @@ from weightpull.delta import CHUNK, section_layout
 from weightpull.errors import DigestMismatchError, InvalidArgumentError
 from weightpull.transport import Region
 
-__all__ = ["patch", "patch_region"]
+__all__ = ["encode", "encode_region", "patch", "patch_region"]
 
 SCATTER = 1 << 25  # changed words scattered at once, about (a chunk more at most)
+_ENCODE_CHUNKS = 256  # chunks compared at once (16 Mi words): the indices of their changes held
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits copied: signs do not matter
 
 
@@ -43,6 +49,79 @@ def _flat(region: Region) -> torch.Tensor:
     )
 
 
+def _check_flat(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and (t.dtype != torch.uint8 or t.dim() != 1 or t.device != device):
+            raise InvalidArgumentError(
+                f"a delta's {name} must be a flat uint8 tensor on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+
+
+def encode(old: torch.Tensor, new: torch.Tensor, word: int, into: torch.Tensor) -> tuple[int, int] | None:
+    """Write into `into` the section that turns `old`'s bytes into `new`'s (flat uint8
+    tensors of one size, a multiple of `word`, on one device): (its bytes, the words
+    changed), or None when it would not fit `into` (nothing then written).
+
+    Raises:
+        InvalidArgumentError: an unknown word size, copies of other sizes or not whole
+            words, or tensors that are not flat uint8 on one device.
+    """
+    if word not in _WORDS:
+        raise InvalidArgumentError(f"a delta's word is 1, 2, 4 or 8 bytes, got {word!r}")
+    _check_flat(new.device, old=old, new=new, into=into)
+    if old.numel() != new.numel() or new.numel() % word:
+        raise InvalidArgumentError(
+            f"a delta compares two copies of one size, a multiple of {word} bytes: got {old.numel()} and {new.numel()}"
+        )
+    dtype = _WORDS[word]
+    a, b = _as(old, dtype), _as(new, dtype)
+    words = b.numel()
+    chunks = -(-words // CHUNK)
+    whole = words // CHUNK * CHUNK
+    counts = torch.zeros(chunks, dtype=torch.int64, device=new.device)
+    step = _ENCODE_CHUNKS * CHUNK
+    for lo in range(0, whole, step):  # each chunk's count, a group at a time: no index held
+        hi = min(lo + step, whole)
+        counts[lo // CHUNK : hi // CHUNK] = (a[lo:hi] != b[lo:hi]).view(-1, CHUNK).sum(dim=1)
+    if whole < words:
+        counts[-1] = (a[whole:] != b[whole:]).sum()
+    changed = int(counts.sum())
+    offsets_at, values_at, size = section_layout(words, changed, word)
+    if size > into.numel():
+        return None
+    # written as bytes (little-endian, as the host's), wherever `into` starts
+    into[:offsets_at].copy_(counts.to(torch.int32).view(torch.uint8))
+    into[offsets_at + 2 * changed : values_at].zero_()
+    ends = torch.cumsum(counts, 0).tolist()
+    at = 0
+    for first in range(0, chunks, _ENCODE_CHUNKS):
+        last = min(first + _ENCODE_CHUNKS, chunks)
+        lo, hi = first * CHUNK, min(last * CHUNK, words)
+        stop = ends[last - 1]
+        if stop == at:
+            continue
+        index = torch.nonzero(a[lo:hi] != b[lo:hi]).squeeze(1)
+        offsets = (index & (CHUNK - 1)).to(torch.int16).view(torch.uint8)
+        into[offsets_at + 2 * at : offsets_at + 2 * stop].copy_(offsets)
+        into[values_at + word * at : values_at + word * stop].copy_(b[lo:hi][index].view(torch.uint8))
+        at = stop
+    return size, changed
+
+
+def encode_region(old: Region, new: Region, total: int, word: int, room: int) -> tuple[int, int] | None:
+    """The torch `Encoder`: write past `new`'s first `total` bytes, in its next `room`, the
+    section that turns `old`'s first `total` bytes into `new`'s, where they lie (a GPU's
+    slots on that GPU): (its bytes, the words changed), or None when it would not fit.
+    Blocks until it is written (the publisher calls it in a worker thread)."""
+    a, b = _flat(old), _flat(new)
+    if total < 0 or room < 0 or total + room > b.numel() or total > a.numel():
+        raise InvalidArgumentError(f"a version of {total} bytes and a room of {room} lie outside the slots")
+    found = encode(a[:total].to(b.device), b[:total], word, b[total : total + room])
+    if b.is_cuda:
+        torch.cuda.current_stream(b.device).synchronize()
+    return found
+
+
 def patch(target: torch.Tensor, section: torch.Tensor, word: int, *, base: torch.Tensor | None = None) -> None:
     """Apply a section `weightpull.delta.encode` made to `target`, a flat uint8 tensor that
     holds the base's bytes (or, with `base`, is given them from it first): it then holds
@@ -56,11 +135,7 @@ def patch(target: torch.Tensor, section: torch.Tensor, word: int, *, base: torch
     """
     if word not in _WORDS:
         raise InvalidArgumentError(f"a delta's word is 1, 2, 4 or 8 bytes, got {word!r}")
-    for name, t in (("target", target), ("section", section), ("base", base)):
-        if t is not None and (t.dtype != torch.uint8 or t.dim() != 1 or t.device != target.device):
-            raise InvalidArgumentError(
-                f"a patch's {name} must be a flat uint8 tensor on {target.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-            )
+    _check_flat(target.device, target=target, section=section, base=base)
     if target.numel() % word:
         raise InvalidArgumentError(f"a delta patches whole words of {word} bytes, not {target.numel()} bytes")
     if base is not None and base.numel() != target.numel():
@@ -97,7 +172,7 @@ def patch(target: torch.Tensor, section: torch.Tensor, word: int, *, base: torch
         cuts = [0, *torch.searchsorted(ends, at, right=True).tolist(), chunks]
     if base is not None:
         target.copy_(base)
-    t = target.view(_WORDS[word])
+    t = _as(target, _WORDS[word])  # a copy where `target` starts between words: written back below
     starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=target.device), ends])
     lows = starts[cuts].tolist() if len(cuts) > 2 else [0, total]  # each group's first changed word
     for first, stop, lo, hi in zip(cuts, cuts[1:], lows, lows[1:], strict=False):
@@ -108,6 +183,8 @@ def patch(target: torch.Tensor, section: torch.Tensor, word: int, *, base: torch
         )
         index = (which << 16) + (offsets[lo:hi].to(torch.int64) & 0xFFFF)
         t.index_copy_(0, index, values[lo:hi])
+    if t.data_ptr() != target.data_ptr():
+        target.copy_(t.view(torch.uint8))
 
 
 def patch_region(region: Region, total: int, nbytes: int, word: int, base: Region | None = None) -> None:

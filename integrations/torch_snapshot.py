@@ -36,6 +36,7 @@ from weightpull.transports import create_transport
 
 from . import fp8 as fp8_cast
 from .fp8 import Fp8Part
+from .torch_delta import encode_region
 from .torch_digests import wsum64_digests
 from .torch_tensors import TorchAdapter, tensor_at, torch_dtype
 
@@ -256,6 +257,7 @@ class SnapshotPublisher:
             self._portal.call(torch.cuda.set_stream, self._side)
         self._adapter = TorchAdapter(self._side)
         publisher_options.setdefault("digester", wsum64_digests)  # a GPU slot's digests, computed there
+        publisher_options.setdefault("encoder", encode_region)  # and its deltas (deltas=True)
         self.publisher = Publisher(
             registry,
             transport,

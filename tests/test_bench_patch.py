@@ -57,8 +57,11 @@ def test_on_a_device_each_patch_and_the_check_are_timed_beside_its_copy(capsys, 
     shown = capsys.readouterr().out.split("\n\n")[1].splitlines()
     assert shown[0] == "on cpu, torch: GB/s (over the device's copy)"
     steps = [line.split("  ")[0] for line in shown[2:]]
-    patches = [f"patch {f}, {how}" for f in ("bf16", "fp8") for how in ("in place", "from a base apart")]
-    assert steps == ["copy", *patches, "check, wsum64"]
+    forms = [
+        [f"encode {f} (the publisher)", f"patch {f}, in place", f"patch {f}, from a base apart"]
+        for f in ("bf16", "fp8")
+    ]
+    assert steps == ["copy", *forms[0], *forms[1], "check, wsum64"]
     assert shown[2].endswith("(1.00)")  # the copy over itself
     assert patch.main(["--size", "1M", "--threads", "1", "--repeat", "1", "--device", "cpu", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["device"]

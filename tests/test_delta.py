@@ -222,13 +222,17 @@ def test_the_record_refuses_what_it_cannot_be():
 # -- publishing ----------------------------------------------------------------------------------
 
 
-def test_deltas_need_digests_host_slots_and_whole_publishes(world):
+def test_deltas_need_digests_an_encoder_on_a_device_and_whole_publishes(world):
     with pytest.raises(InvalidArgumentError, match="3 problems") as caught:
         world.publisher(deltas=True, stream=True, delta_room=0.0)
     for why in ("delta_room must be a share", "checked by the version's digests", "stream=False"):
         assert why in str(caught.value)
-    with pytest.raises(InvalidArgumentError, match="host slots only, not on 'cuda:0'"):
+    with pytest.raises(
+        InvalidArgumentError, match="on 'cuda:0' is encoded where they lie: give encoder=weightpull.inte"
+    ):
         world.publisher(deltas=True, digests="wsum64", device="cuda:0", digester=lambda region, spans: [])
+    with pytest.raises(InvalidArgumentError, match="encoder must be a callable"):
+        world.publisher(deltas=True, digests="wsum64", device="cuda:0", digester=lambda region, spans: [], encoder=3)
 
 
 async def test_a_base_needs_deltas(world):

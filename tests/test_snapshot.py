@@ -84,3 +84,23 @@ def test_a_streaming_publish_that_fails_midway_leaves_a_record(snapshot):
     assert status.newest_ready == 1
     states = {v.version: v.state for v in status.versions}
     assert states.get(2, VersionState.ABORTED) is VersionState.ABORTED
+
+
+def test_it_gives_its_publisher_the_torch_digester_and_encoder():
+    from weightpull.integrations.torch_delta import encode_region
+    from weightpull.integrations.torch_digests import wsum64_digests
+
+    registry = InProcessRegistry()
+    specs = [spec_of(n, t, "bfloat16") for n, t in params(0).items()]
+    with SnapshotPublisher(registry, FakeTransport(), specs, bucket_bytes=4096, digests="wsum64", deltas=True) as snap:
+        assert (snap.publisher.digester, snap.publisher.encoder) == (wsum64_digests, encode_region)
+        tensors = params(1)
+        snap.publish(1, tensors.items()).result(timeout=10)
+        tensors["layer.0.w"][3, :4] += 1.0  # a step that changed 4 elements
+        snap.publish(2, tensors.items()).result(timeout=10)  # host slots: encoded on the host, as ever
+        got, pulled = pull(snap, registry)
+        assert pulled.manifest.delta is not None and (pulled.manifest.delta.base, pulled.manifest.delta.changed) == (
+            1,
+            4,
+        )
+        assert torch.equal(got["layer.0.w"], tensors["layer.0.w"].to(torch.bfloat16))

@@ -10,7 +10,7 @@ import torch
 from weightpull import delta as deltas
 from weightpull.errors import DigestMismatchError, InvalidArgumentError
 from weightpull.integrations import torch_delta
-from weightpull.integrations.torch_delta import patch, patch_region
+from weightpull.integrations.torch_delta import encode_region, patch, patch_region
 from weightpull.transport import Region
 
 from .test_delta import pair
@@ -108,3 +108,38 @@ def test_patch_region_patches_a_tensor_or_a_host_buffer_from_the_section_past_it
         patch_region(
             host, len(old), len(sec), word, Region(nbytes=4, device="cpu", memory=torch.zeros(4, dtype=torch.uint8))
         )
+
+
+@pytest.mark.parametrize("step", [torch_delta._ENCODE_CHUNKS, 1])
+@pytest.mark.parametrize("word", deltas.WORDS)
+def test_encode_is_the_reference_for_every_word_and_group(monkeypatch, word, step):
+    monkeypatch.setattr(torch_delta, "_ENCODE_CHUNKS", step)  # a chunk a group: three groups here
+    old, new = pair(5 * deltas.CHUNK * word // 2 + 8 * 3, word, 0.01, word)
+    oracle = bytearray(len(new))
+    size, changed = deltas.encode_reference(memoryview(old), memoryview(new), word, memoryview(oracle))
+    into = torch.full((size + 7,), 0xEE, dtype=torch.uint8)
+    assert torch_delta.encode(tensor(old), tensor(new), word, into) == (size, changed)
+    assert bytes(into[:size].numpy()) == oracle[:size] and not (into[size:] != 0xEE).any()  # nothing past it
+    short = torch.full((size - 1,), 0xEE, dtype=torch.uint8)
+    assert torch_delta.encode(tensor(old), tensor(new), word, short) is None and not (short != 0xEE).any()
+
+
+def test_encode_region_writes_the_section_past_the_version_in_an_unaligned_slot():
+    word = 2
+    old, new = pair(deltas.CHUNK * word + 10, word, 0.03, 5)
+    want = section(old, new, word)
+    slot = torch.zeros(3 + len(new) + len(want) + 4, dtype=torch.uint8)[3:]  # starts at an odd byte
+    slot[: len(new)] = tensor(new)
+    base = Region(nbytes=len(old), device="cpu", memory=tensor(old))
+    region = Region(nbytes=slot.numel(), device="cpu", memory=slot)
+    assert encode_region(base, region, len(new), word, len(want) + 4)[0] == len(want)
+    assert bytes(slot[len(new) : len(new) + len(want)].numpy()) == want
+    assert encode_region(base, region, len(new), word, len(want) - 1) is None  # over the room
+    target = torch.zeros(1 + len(old), dtype=torch.uint8)[1:]  # a patch of an unaligned copy too
+    target[:] = tensor(old)
+    patch(target, slot[len(new) : len(new) + len(want)], word)
+    assert bytes(target.numpy()) == new
+    with pytest.raises(InvalidArgumentError, match="one size"):
+        torch_delta.encode(tensor(old), tensor(new[:-2]), word, slot)
+    with pytest.raises(InvalidArgumentError, match="lie outside"):
+        encode_region(base, region, len(new), word, slot.numel())

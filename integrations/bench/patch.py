@@ -8,9 +8,10 @@ The changes are the measured ones (docs/guides/bytes.md): 1.90% of bf16 words, 0
 bytes, at random places. Rates are bytes of the whole version a second, as `simulate`'s
 `--patch-rate` and `--check-rate` count them.
 
-With `--device cuda:0`, the same patches and check where a GPU mirror is patched
-(`weightpull.integrations.torch_delta.patch`, `torch_digests`' wsum64), each beside a copy
-on that device, and every patched copy compared with the host's.
+With `--device cuda:0`, the same encode (of a publisher's slot on a GPU), patches and check
+(of a GPU mirror) with torch where they lie (`weightpull.integrations.torch_delta`,
+`torch_digests`' wsum64), each beside a copy on that device, every section and patched
+copy compared with the host's.
 
     python -m weightpull.integrations.bench.patch [--size 512M] [--threads 1,2] [--repeat 3]
         [--device cuda:0] [--json]
@@ -98,12 +99,12 @@ def on_device(
     recorded: list[str],
     repeat: int,
 ) -> dict[str, float]:
-    """Seconds of each step where a GPU mirror is patched (best of `repeat`, the device
-    synchronized in each): a copy on the device, each form's patch in place and from a
-    base apart, and the wsum64 check; each patched copy and the check asserted exact."""
+    """Seconds of each step on `device`, with torch (best of `repeat`, the device
+    synchronized in each): a copy, each form's encode and patch (in place and from a base
+    apart), and the wsum64 check; each section, patched copy and check asserted exact."""
     import torch
 
-    from weightpull.integrations.torch_delta import patch
+    from weightpull.integrations.torch_delta import encode, patch
     from weightpull.integrations.torch_digests import wsum64_digests
     from weightpull.transport import Region
 
@@ -118,9 +119,12 @@ def on_device(
     base = torch.from_numpy(old).to(device)
     target = torch.empty_like(base)
     seconds = {"copy": timed(partial(target.copy_, base))}
-    for form, (word, section, new, _) in sections.items():
+    for form, (word, section, new, room) in sections.items():
         on = torch.frombuffer(bytearray(section), dtype=torch.uint8).to(device)
         want = torch.from_numpy(new).to(device)
+        into = torch.empty(len(room), dtype=torch.uint8, device=device)
+        seconds[f"encode {form} (the publisher)"] = timed(partial(encode, base, want, word, into))
+        assert torch.equal(into[: len(section)], on), f"the {form} delta encoded differently on {device}"
         target.copy_(base)
         seconds[f"patch {form}, in place"] = timed(partial(patch, target, on, word))
         assert torch.equal(target, want), f"the {form} patch in place on {device} did not give the version"

@@ -1,7 +1,8 @@
-"""Delta versions patched where a GPU mirror lies: the torch patcher on the GPU against the
-host's patch, a `Puller` on cuda:0 reading each version's delta alone over cuda_ipc (its
-mirror grown to hold the section, the base kept until patched), a base gone bad read whole,
-and the vLLM worker's two GPU mirrors patching each version from the one that serves."""
+"""Delta versions encoded and patched on the GPU: the torch encoder and patcher there against
+the host's, a GPU slot's delta patched on the GPU and on the host, a `Puller` on cuda:0
+reading each version's delta alone over cuda_ipc (its mirror grown to hold the section,
+the base kept until patched), a base gone bad read whole, and the vLLM worker's two GPU
+mirrors patching each version from the one that serves."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def test_the_gpu_patch_is_the_hosts(monkeypatch, word, group):
     got = deltas.encode(memoryview(old.numpy()), memoryview(new.numpy()), word, memoryview(room))
     assert got is not None
     section = torch.frombuffer(room, dtype=torch.uint8)[: got[0]].cuda()
+    into = torch.empty(got[0], dtype=torch.uint8, device="cuda")
+    assert torch_delta.encode(old.cuda(), new.cuda(), word, into) == got  # the publisher's, on the GPU
+    assert torch.equal(into, section)
     target = old.cuda()
     patch(target, section, word)
     assert torch.equal(target.cpu(), new)
@@ -122,5 +126,38 @@ async def test_the_vllm_workers_two_gpu_mirrors_patch_from_the_one_that_serves()
         assert [p.digester for p in pulls.pair.pullers] == [wsum64_digests] * 2
     finally:
         await anyio.to_thread.run_sync(pulls.close)
+        await publisher.aclose()
+        await owner.aclose()
+
+
+async def test_a_gpu_slots_delta_is_encoded_there_and_patched_on_the_gpu_and_on_the_host():
+    from weightpull.integrations.torch_delta import encode_region
+
+    registry, owner = InProcessRegistry(), create_transport("cuda_ipc")
+    publisher = Publisher(
+        registry,
+        owner,
+        rollout_dtype=None,
+        bucket_bytes=1 << 20,
+        device="cuda:0",
+        digests="wsum64",
+        digester=wsum64_digests,
+        deltas=True,
+        encoder=encode_region,
+    )
+    gpu = Puller(registry, create_transport("cuda_ipc"), device="cuda:0", **digesting("cuda:0"))
+    host = Puller(registry, create_transport("cuda_ipc"), device="cpu")
+    try:
+        for v, tensors in enumerate(versions(3), start=1):
+            result = await publisher.publish(v, {n: t.cuda() for n, t in tensors.items()})
+            assert (result.manifest.delta is None) == (v == 1)
+            for puller in (gpu, host):
+                pulled = await puller.pull()
+                assert held(pulled, tensors) and pulled.base == (None if v == 1 else v - 1), (v, puller.device)
+        assert gpu.metrics()["pull/patched"] == host.metrics()["pull/patched"] == 2
+    finally:
+        for puller in (gpu, host):
+            await puller.aclose()
+            await puller.transport.aclose()
         await publisher.aclose()
         await owner.aclose()
