@@ -4,7 +4,7 @@ start once, as in a serial run; the files that start vLLM engines (each takes bo
 and test_vllm.py's four start under a deadline) form one unit, run first and one at a time,
 while the other worker takes the rest, then the tail: tests that start vLLM too but wait
 on it with no tight deadline (the demos'), each a unit of its own, queued last, the
-longest first, so that whichever worker is free takes the next (without them, the vLLM
+longest first (`TAIL_FIRST`), so that whichever worker is free takes the next (without them, the vLLM
 unit ends alone, minutes after the rest). A scheduler of its own, as xdist's `loadgroup`
 cannot mark groups under pytest 9.
 
@@ -37,9 +37,19 @@ import attrs
 from xdist.scheduler import LoadScopeScheduling
 
 TAIL_FILES = ("test_loop_demo.py", "test_demo_processes.py", "test_vllm_demo.py")
-# The tail's longest tests (CI: 100, 78 and 58 s), queued first in it, in this order: the
-# tail is list scheduling, and a long test taken last would end the run alone.
-TAIL_FIRST = ("::test_loop_demo_json", "::test_vllm_demo_json", "[vllm-demo-pid-sigterm]")
+# The tail's first tests, in this order: its longest (CI: 100-150, 55-80 and 58-76 s),
+# as a long test taken last would end the run alone, each followed by one of its shortest
+# (a command line refused: a second or two). A worker holds the test it runs next while it
+# runs one: a worker starting a long test holds a short one, not the next long one, which
+# the other worker takes (CI's run with the long ones back to back: the vLLM demo waited
+# 150 s behind the loop demo while the other worker, done, stood idle for a minute).
+TAIL_FIRST = (
+    "::test_loop_demo_json",
+    "::test_the_loop_needs_vllm_replicas",
+    "::test_vllm_demo_json",
+    "::test_kill_at_is_for_the_loop_alone",
+    "[vllm-demo-pid-sigterm]",
+)
 
 
 def starts_vllm(path: str) -> bool:
@@ -53,7 +63,7 @@ def order(path: str) -> int:
 
 
 def queue_key(nodeid: str) -> tuple[int, int]:
-    """A test's place in the queue: `order`'s, and in the tail, its longest tests first."""
+    """A test's place in the queue: `order`'s, and in the tail, `TAIL_FIRST` first."""
     where = order(nodeid.split("::", 1)[0])
     first = next((i for i, name in enumerate(TAIL_FIRST) if name in nodeid), len(TAIL_FIRST))
     return where, first if where == 2 else 0

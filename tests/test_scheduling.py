@@ -73,7 +73,7 @@ def test_a_test_whose_worker_crashed_once_runs_again_on_a_fresh_one(tmp_path):
     assert "Fatal Python error: Aborted" in said and "in test_crash" in said, out
 
 
-def test_the_vllm_unit_is_queued_first_and_the_tail_last_its_longest_tests_first():
+def test_the_vllm_unit_is_queued_first_and_the_tail_last_its_longest_tests_first_each_before_a_short_one():
     from tests.scheduling import queue_key
 
     stopped = "tests/test_demo_processes.py::test_a_stopped_demo_leaves_no_process_behind"
@@ -82,10 +82,12 @@ def test_the_vllm_unit_is_queued_first_and_the_tail_last_its_longest_tests_first
         "tests/test_vllm_apply.py::test_fsdp_publisher_of_a_tied_llama_under_checkpoint_names_reaches_vllm_whole",
         "tests/test_registry.py::test_versions_are_announced_in_order",
         "tests/test_loop_demo.py::test_loop_demo_json",
+        "tests/test_loop_demo.py::test_the_loop_needs_vllm_replicas",
         "tests/test_vllm_demo.py::test_vllm_demo_json",
+        "tests/test_loop_demo.py::test_kill_at_is_for_the_loop_alone",
         f"{stopped}[vllm-demo-pid-sigterm]",
         f"{stopped}[nixl-demo-group-sigterm]",
-        "tests/test_loop_demo.py::test_kill_at_is_for_the_loop_alone",
+        f"{stopped}[bench-pid-sigterm]",
     ]
-    collected = [queued[i] for i in (6, 7, 2, 4, 0, 5, 3, 1)]  # the order of equals is kept
+    collected = [queued[i] for i in (8, 9, 2, 4, 6, 0, 5, 7, 3, 1)]  # the order of equals is kept
     assert sorted(collected, key=queue_key) == queued
