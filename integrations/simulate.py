@@ -50,9 +50,10 @@ FP8_FRACTION = 0.576  # block fp8 with its scales, Qwen3-8B (bench fp8_cast on t
 PATCH_RATE = {"delta": 39.5e9, "fp8-delta": 37.4e9}
 CHECK_RATE = 18.2e9
 # in a mirror on a GPU, there (`Puller(patcher=, digester=)`: torch_delta, torch_digests), each
-# of a host's GPUs patching and checking its own rank's share, side by side.
-GPU_PATCH_RATE = {"delta": 1343e9, "fp8-delta": 1380e9}
-GPU_CHECK_RATE = 864e9
+# of a host's GPUs patching and checking its own rank's share, side by side: 8 GiB, about a
+# 1T host's GPU's share (docs/results/patch-h200-8g-2026-12-03.txt).
+GPU_PATCH_RATE = {"delta": 1670e9, "fp8-delta": 1677e9}
+GPU_CHECK_RATE = 1141e9
 PATCH_ON = ("host", "gpu")  # where a replica's mirror lies, so where it patches and checks
 
 

@@ -5,7 +5,8 @@ patched on its GPU, neither copied to the host. The same bytes as `weightpull.de
 
 The encode counts each chunk's changed words first (no indices held), so a section that
 would not fit its room is known before any is written, and then writes each group of
-chunks' offsets and values at their place.
+chunks' offsets and values at their place, each group's indices found with their count
+known (`nonzero_static`: no transfer to the host a group).
 
 The section is checked for sense before any word is written (its counts add up to its
 size, no offset past the copy), with two small transfers to the host: a scatter to a word
@@ -28,7 +29,7 @@ from weightpull.transport import Region
 __all__ = ["encode", "encode_region", "patch", "patch_region"]
 
 SCATTER = 1 << 25  # changed words scattered at once, about (a chunk more at most)
-_ENCODE_CHUNKS = 256  # chunks compared at once (16 Mi words): the indices of their changes held
+_ENCODE_CHUNKS = 1024  # chunks compared at once (64 Mi words): the indices of their changes held
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits copied: signs do not matter
 
 
@@ -85,22 +86,23 @@ def encode(old: torch.Tensor, new: torch.Tensor, word: int, into: torch.Tensor) 
         counts[lo // CHUNK : hi // CHUNK] = (a[lo:hi] != b[lo:hi]).view(-1, CHUNK).sum(dim=1)
     if whole < words:
         counts[-1] = (a[whole:] != b[whole:]).sum()
-    changed = int(counts.sum())
+    ends = torch.cumsum(counts, 0)
+    # one transfer: where each group's changes end (the last: all of them)
+    stops = torch.cat([ends[_ENCODE_CHUNKS - 1 :: _ENCODE_CHUNKS], ends[-1:]]).tolist() if chunks else [0]
+    changed = stops[-1]
     offsets_at, values_at, size = section_layout(words, changed, word)
     if size > into.numel():
         return None
     # written as bytes (little-endian, as the host's), wherever `into` starts
     into[:offsets_at].copy_(counts.to(torch.int32).view(torch.uint8))
     into[offsets_at + 2 * changed : values_at].zero_()
-    ends = torch.cumsum(counts, 0).tolist()
     at = 0
-    for first in range(0, chunks, _ENCODE_CHUNKS):
-        last = min(first + _ENCODE_CHUNKS, chunks)
-        lo, hi = first * CHUNK, min(last * CHUNK, words)
-        stop = ends[last - 1]
+    for first, stop in zip(range(0, chunks, _ENCODE_CHUNKS), stops, strict=False):
         if stop == at:
             continue
-        index = torch.nonzero(a[lo:hi] != b[lo:hi]).squeeze(1)
+        lo, hi = first * CHUNK, min((first + _ENCODE_CHUNKS) * CHUNK, words)
+        # its changes' count known: found with no transfer to the host
+        index = torch.nonzero_static(a[lo:hi] != b[lo:hi], size=stop - at).squeeze(1)
         offsets = (index & (CHUNK - 1)).to(torch.int16).view(torch.uint8)
         into[offsets_at + 2 * at : offsets_at + 2 * stop].copy_(offsets)
         into[values_at + word * at : values_at + word * stop].copy_(b[lo:hi][index].view(torch.uint8))

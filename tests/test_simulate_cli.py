@@ -286,13 +286,13 @@ def test_on_the_gpus_each_patches_and_checks_its_ranks_share_and_both_goals_are_
     argv = ("simulate", "--model", "1t", "--replicas", "1", "--form", "fp8-delta", "--patch-on", "gpu")
     status, out, _ = run(capsys, *argv)
     assert status == 0 and "each hop patches on each GPU its rank's share" in out
-    assert "(fp8-delta 1380 GB/s: measured on an H200" in out and "(864 GB/s: wsum64, measured on an H200)" in out
+    assert "(fp8-delta 1677 GB/s: measured on an H200" in out and "(1141 GB/s: wsum64, measured on an H200)" in out
     got = json.loads(run(capsys, *argv, "--json")[1].splitlines()[-1])
     row, (one, ten) = got["rows"][0], got["goals"]
-    assert got["patch_on"] == "gpu" and got["check_rate_gbs"] == 864
+    assert got["patch_on"] == "gpu" and got["check_rate_gbs"] == 1141
     share = 62.5e9 / 8  # a host's 62.5 GB of fp8 over its 8 GPUs, at once
-    assert row["patch_s"] == pytest.approx(share / 1380e9, abs=1e-4) and row["check_s"] == pytest.approx(
-        share / 864e9, abs=1e-4
+    assert row["patch_s"] == pytest.approx(share / 1677e9, abs=1e-4) and row["check_s"] == pytest.approx(
+        share / 1141e9, abs=1e-4
     )
     assert (
         one["met"]
