@@ -706,7 +706,8 @@ class Puller:
             if self.spare_mirror and self.offered is not None:
                 self.mirror, self.mirror_version = await self.relays.take_spare(self.mirror, self.mirror_version)
             delta = manifest.delta
-            keep = delta is not None and self.deltas and delta.base == self.mirror_version  # the base, if it grows
+            # the base, if the mirror grows and a patch can use it (a device's old mirror is held till then)
+            keep = delta is not None and self.deltas and delta.base == self.mirror_version and self._patches(manifest)
             mirror = self._mirror_for(manifest.layout, delta.room if delta else 0, keep=keep)
             base = self._base_for(manifest)  # where the delta's base is, if held (the mirror grew keeping it)
             source = lease.source  # as the acquire placed it: "" for the slot, else a relay
