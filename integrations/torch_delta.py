@@ -9,7 +9,7 @@ chunks' offsets and values at their place, each group's indices found with their
 known (`nonzero_static`: no transfer to the host a group).
 
 The section is checked for sense before any word is written (its counts add up to its
-size, no offset past the copy), with two small transfers to the host: a scatter to a word
+size, no offset past the copy), with a few small transfers to the host: a scatter to a word
 past the end would be a device-side fault, which kills the CUDA context, not an error.
 The changed words are scattered in as few launches as the memory allows: in groups of whole
 chunks of at most about `SCATTER` words each, so that the indices held at once stay small
