@@ -26,6 +26,8 @@ from weightpull.delta import CHUNK, section_layout
 from weightpull.errors import DigestMismatchError, InvalidArgumentError
 from weightpull.transport import Region
 
+from .torch_digests import region_bytes
+
 __all__ = ["encode", "encode_region", "patch", "patch_region"]
 
 SCATTER = 1 << 25  # changed words scattered at once, about (a chunk more at most)
@@ -39,15 +41,6 @@ def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if raw.storage_offset() % size:
         raw = raw.clone()
     return raw.view(dtype)
-
-
-def _flat(region: Region) -> torch.Tensor:
-    memory = region.memory
-    if isinstance(memory, torch.Tensor):
-        return memory.view(-1).view(torch.uint8)
-    return (
-        torch.frombuffer(region.host_view(), dtype=torch.uint8) if region.nbytes else torch.empty(0, dtype=torch.uint8)
-    )
 
 
 def _check_flat(device: torch.device, **tensors: torch.Tensor | None) -> None:
@@ -115,7 +108,7 @@ def encode_region(old: Region, new: Region, total: int, word: int, room: int) ->
     section that turns `old`'s first `total` bytes into `new`'s, where they lie (a GPU's
     slots on that GPU): (its bytes, the words changed), or None when it would not fit.
     Blocks until it is written (the publisher calls it in a worker thread)."""
-    a, b = _flat(old), _flat(new)
+    a, b = region_bytes(old), region_bytes(new)
     if total < 0 or room < 0 or total + room > b.numel() or total > a.numel():
         raise InvalidArgumentError(f"a version of {total} bytes and a room of {room} lie outside the slots")
     found = encode(a[:total].to(b.device), b[:total], word, b[total : total + room])
@@ -199,14 +192,14 @@ def patch_region(region: Region, total: int, nbytes: int, word: int, base: Regio
         InvalidArgumentError: the spans lie outside the regions.
         DigestMismatchError: the section is malformed (the region's bytes untouched).
     """
-    raw = _flat(region)
+    raw = region_bytes(region)
     if total < 0 or nbytes < 0 or total + nbytes > raw.numel():
         raise InvalidArgumentError(
             f"a version of {total} bytes and a section of {nbytes} lie outside {raw.numel()} bytes"
         )
     held = None
     if base is not None:
-        held = _flat(base)
+        held = region_bytes(base)
         if held.numel() < total:
             raise InvalidArgumentError(f"a base of {held.numel()} bytes holds no version of {total}")
         held = held[:total]

@@ -104,6 +104,17 @@ def wsum64(data: torch.Tensor) -> str:
     return _wsum64(raw, [(0, raw.numel())])[0]
 
 
+def region_bytes(region: Region) -> torch.Tensor:
+    """A region's bytes as a flat uint8 tensor where they lie: its tensor's, or a host
+    buffer's (a slot held as a buffer) without a copy."""
+    memory = region.memory
+    if isinstance(memory, torch.Tensor):
+        return _bytes_of(memory)
+    if not region.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(region.host_view(), dtype=torch.uint8)
+
+
 def wsum64_digests(region: Region, spans: Sequence[tuple[int, int]]) -> list[str]:
     """The publisher's `Digester` for slots on a device: the wsum64 digest of each
     (offset, nbytes) span of `region`, computed where it lies. Blocks until they are
@@ -111,13 +122,4 @@ def wsum64_digests(region: Region, spans: Sequence[tuple[int, int]]) -> list[str
     landed)."""
     if not spans:
         return []
-    memory = region.memory
-    if isinstance(memory, torch.Tensor):
-        raw = _bytes_of(memory)
-    else:  # a host slot held as a buffer
-        raw = (
-            torch.frombuffer(region.host_view(), dtype=torch.uint8)
-            if region.nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-    return _wsum64(raw, spans)
+    return _wsum64(region_bytes(region), spans)
